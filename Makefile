@@ -1,0 +1,58 @@
+# Fast-ELECTRA: a thin veneer over `python -m ...`. Each target builds what it needs first.
+#   make train                      # whole chain on the embedded default (manifests/tiny.toml)
+#   make train MANIFEST=manifests/base.toml NPROC=8
+#   make test
+MANIFEST ?= manifests/tiny.toml
+DATA     ?=
+RUN      ?=
+NPROC    ?= 1
+WORKERS  ?=
+CORPUS   ?=
+PYTEST_ARGS ?=
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Default work folder of the manifest (work_dir = "..."), for the file targets below.
+WORK   := $(shell sed -n 's/^work_dir *= *"\(.*\)"/\1/p' $(MANIFEST) 2>/dev/null)
+DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
+RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
+
+.PHONY: setup corpus aux generate-epochs train test test-fast clean help
+
+help:
+	@echo "make train | make test | make corpus | make aux | make generate-epochs | make clean"
+	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS)"
+
+# A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
+	else $(PY) -m pip install --quiet torch==2.13.0; fi
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+corpus: setup
+	$(PY) -m common.corpus --manifest $(MANIFEST) $(if $(CORPUS),--source $(CORPUS))
+
+aux: corpus
+	$(PY) -m train.aux --manifest $(MANIFEST)
+
+generate-epochs: aux
+	$(PY) -m generate --manifest $(MANIFEST) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS))
+
+train: generate-epochs
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m train --manifest $(MANIFEST) \
+		--data $(DATA_DIR) --out $(RUN_DIR) --resume
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(WORK)

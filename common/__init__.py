@@ -1,0 +1,1 @@
+"""Shared pieces of Fast-ELECTRA: config, tokenizer, corpus packing, model, curriculum, shards."""

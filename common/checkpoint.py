@@ -1,0 +1,118 @@
+"""Saving and loading: the auxiliary model artifact and the trainer's checkpoints.
+
+Both are written atomically (temporary file, fsync, rename). A checkpoint that
+cannot be read back is ignored by `latest_checkpoint`, never trusted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from common.config import ModelConfig
+from common.io import atomic_path, atomic_write_json, sha256_file
+from common.model import MaskedLM
+
+AUX_FILE = "aux.pt"
+AUX_META = "aux.json"
+
+
+class IncompatibleInputs(ValueError):
+    """Two inputs of a stage disagree (vocabulary, tokenizer, sequence length, schema)."""
+
+
+def save_aux(model: MaskedLM, model_cfg: ModelConfig, num_layers: int, vocab_size: int,
+             tokenizer_sha256: str, out_dir: str | Path, metrics: dict) -> Path:
+    out_dir = Path(out_dir)
+    path = out_dir / AUX_FILE
+    payload = {
+        "format_version": 1,
+        "model_config": dataclasses.asdict(model_cfg),
+        "num_layers": num_layers,
+        "vocab_size": vocab_size,
+        "tokenizer_sha256": tokenizer_sha256,
+        "state_dict": model.state_dict(),
+        "metrics": metrics,
+    }
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+    atomic_write_json(out_dir / AUX_META, {"sha256": sha256_file(path), "vocab_size": vocab_size,
+                                           "tokenizer_sha256": tokenizer_sha256, "num_layers": num_layers,
+                                           "hidden_size": model_cfg.hidden_size, "metrics": metrics})
+    return path
+
+
+def read_aux_meta(path: str | Path) -> dict:
+    """The small JSON beside aux.pt (vocabulary, tokenizer hash), read without loading weights."""
+    path = Path(path)
+    meta = path.with_name(AUX_META)
+    if not path.is_file():
+        raise FileNotFoundError(f"auxiliary model {path} does not exist (run `make aux`)")
+    if not meta.is_file():
+        raise FileNotFoundError(f"auxiliary model {path} has no {AUX_META} beside it")
+    return json.loads(meta.read_text())
+
+
+def check_aux_matches_tokenizer(aux_meta: dict, aux_path, vocab_size: int, tokenizer_sha256: str, tok_path) -> None:
+    if aux_meta["vocab_size"] != vocab_size:
+        raise IncompatibleInputs(f"auxiliary model {aux_path} has a vocabulary of {aux_meta['vocab_size']} tokens "
+                                 f"but the tokenizer {tok_path} has {vocab_size}")
+    if aux_meta["tokenizer_sha256"] != tokenizer_sha256:
+        raise IncompatibleInputs(f"auxiliary model {aux_path} was trained with tokenizer sha256 "
+                                 f"{aux_meta['tokenizer_sha256'][:12]} but {tok_path} has {tokenizer_sha256[:12]}")
+
+
+def load_aux(path: str | Path, map_location="cpu") -> tuple[MaskedLM, dict]:
+    """Load the frozen auxiliary MLM (eval mode, no grad). Checks the file's sha256."""
+    path = Path(path)
+    meta = read_aux_meta(path)
+    digest = sha256_file(path)
+    if digest != meta["sha256"]:
+        raise IncompatibleInputs(f"auxiliary model {path} has sha256 {digest[:12]}, {AUX_META} says {meta['sha256'][:12]}")
+    payload = torch.load(path, map_location=map_location, weights_only=False)
+    model = MaskedLM(ModelConfig(**payload["model_config"]), payload["vocab_size"], payload["num_layers"])
+    model.load_state_dict(payload["state_dict"])
+    model.eval().requires_grad_(False)
+    return model, {**meta, "sha256": digest}
+
+
+# --- trainer checkpoints -------------------------------------------------------
+
+_CKPT = re.compile(r"^step-(\d{8})\.pt$")
+
+
+def checkpoint_path(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"step-{step:08d}.pt"
+
+
+def save_checkpoint(state: dict, folder: str | Path, keep: int) -> Path:
+    """Write `state` as step-XXXXXXXX.pt atomically; keep the newest `keep` checkpoints."""
+    folder = Path(folder)
+    path = checkpoint_path(folder, state["step"])
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    for old in list_checkpoints(folder)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _CKPT.match(p.name))
+
+
+def latest_checkpoint(folder: str | Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads; a damaged one is skipped with a note."""
+    for path in reversed(list_checkpoints(folder)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if isinstance(state, dict) and "step" in state and "model" in state:
+                return path, state
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
+            print(f"resume: ignoring unreadable checkpoint {path}: {type(e).__name__}: {e}")
+    return None

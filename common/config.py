@@ -1,0 +1,304 @@
+"""Run configuration: small dataclasses, one per stage, loaded from a TOML manifest.
+
+A manifest (``manifests/tiny.toml``) has top-level keys for the run and one table
+per stage: ``[corpus] [tokenizer] [model] [aux] [generate] [train]``. Every key
+maps to a dataclass field; an unknown key is an error, never ignored. The fully
+resolved config is written beside every output (``resolved_manifest.toml``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A user's mistake in a manifest or on the command line."""
+
+
+@dataclass
+class CorpusConfig:
+    source: str = "shakespeare"
+    """'shakespeare' (the embedded default) or a folder of .txt, a .jsonl or a Parquet file."""
+    text_column: str = "text"
+    """Field holding the text in .jsonl / Parquet sources."""
+    max_seq_len: int = 128
+    """Tokens per packed sequence, [CLS] and [SEP] included."""
+    min_seq_len: int = 16
+    """A document's last chunk shorter than this is dropped."""
+    valid_fraction: float = 0.05
+    """Fraction of documents held out for validation (at least one document)."""
+    rows_per_part: int = 8192
+    """Rows per Parquet part of the packed corpus."""
+
+    def __post_init__(self):
+        if self.max_seq_len < 8:
+            raise ConfigError(f"corpus.max_seq_len must be >= 8, got {self.max_seq_len}")
+        if not 2 <= self.min_seq_len <= self.max_seq_len:
+            raise ConfigError(f"corpus.min_seq_len must be in [2, max_seq_len], got {self.min_seq_len}")
+        if not 0.0 < self.valid_fraction < 0.5:
+            raise ConfigError(f"corpus.valid_fraction must be in (0, 0.5), got {self.valid_fraction}")
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 8000
+    """SentencePiece BPE vocabulary size, special tokens included (paper: 128K)."""
+    max_sentences: int = 300_000
+    """Lines sampled from the corpus to train the tokenizer."""
+
+    def __post_init__(self):
+        if self.vocab_size < 300:
+            raise ConfigError(f"tokenizer.vocab_size must be >= 300 (byte fallback needs 256), got {self.vocab_size}")
+
+
+@dataclass
+class ModelConfig:
+    hidden_size: int = 256
+    """Width of every layer (the aux model has the same width)."""
+    num_layers: int = 4
+    """Depth of the main model."""
+    num_heads: int = 4
+    """Attention heads."""
+    ffn_size: int = 1024
+    """Feed-forward inner width."""
+    rel_buckets: int = 32
+    """T5 relative-position buckets (paper: 32 base, 128 large)."""
+    rel_max_distance: int = 128
+    """T5 relative-position max distance (paper: 128 base, 256 large)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, attention probabilities and residual branches."""
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class AuxConfig:
+    num_layers: int = 2
+    """Depth of the auxiliary MLM (paper: 4 base, 6 large; same width as the main model)."""
+    steps: int = 300
+    """MLM training updates for `make aux`."""
+    batch_size: int = 32
+    """Sequences per update."""
+    lr: float = 5e-4
+    """Peak learning rate (paper section 4.1: 5e-4)."""
+    warmup_steps: int = 30
+    """Linear warm-up, then linear decay to zero."""
+    mask_prob: float = 0.15
+    """Fraction of non-special tokens masked per sequence."""
+
+    def __post_init__(self):
+        if self.num_layers < 1 or self.steps < 1 or self.batch_size < 1:
+            raise ConfigError("aux.num_layers, aux.steps and aux.batch_size must be >= 1")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"aux.mask_prob must be in (0, 1), got {self.mask_prob}")
+
+
+@dataclass
+class GenerateConfig:
+    epochs: int = 2
+    """Epochs of corrupted data to write."""
+    rows_per_epoch: int = 0
+    """Rows per epoch: 0 = the whole training split; N = a seeded sample of N rows."""
+    rows_per_shard: int = 512
+    """Rows per Parquet shard (the unit of work and of resume)."""
+    batch_tokens: int = 8192
+    """Token budget of one aux forward batch (rows are grouped by length)."""
+    mask_prob: float = 0.15
+    """Fraction of non-special tokens masked per sequence (paper appendix A: 15%)."""
+    t0: float = 2.0
+    """Initial temperature T0 (paper eq. 1)."""
+    tau: float = 0.1
+    """Decay rate tau (paper eq. 1)."""
+    temperature_granularity: str = "row"
+    """'row': u = global row index / total rows (default); 'epoch': u = epoch / epochs."""
+    valid_rows: int = 512
+    """Held-out rows corrupted at T = 1 for validation (0 = all)."""
+    threads_per_worker: int = 1
+    """torch threads per CPU actor; fixed so results never depend on worker count."""
+
+    def __post_init__(self):
+        if self.epochs < 1:
+            raise ConfigError(f"generate.epochs must be >= 1, got {self.epochs}")
+        if self.rows_per_epoch < 0 or self.rows_per_shard < 1 or self.batch_tokens < 1:
+            raise ConfigError("generate.rows_per_epoch >= 0, rows_per_shard >= 1, batch_tokens >= 1")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"generate.mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.t0 < 1.0 or self.tau <= 0.0:
+            raise ConfigError(f"generate.t0 must be >= 1 and tau > 0, got t0={self.t0} tau={self.tau}")
+        if self.temperature_granularity not in ("row", "epoch"):
+            raise ConfigError(f"generate.temperature_granularity must be 'row' or 'epoch', got {self.temperature_granularity!r}")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 32
+    """Global batch in rows (all ranks, all accumulation micro-steps)."""
+    grad_accum: int = 1
+    """Micro-steps per update on each rank."""
+    lr: float = 1e-3
+    """Peak learning rate (paper appendix A: 1e-3 for Fast-ELECTRA)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps, then linear decay to zero at the last step."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    """Adam (beta1, beta2)."""
+    eps: float = 1e-6
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay on matrices (not on biases and LayerNorm)."""
+    clip_norm: float = 2.0
+    """Gradient clipping by global norm."""
+    rel_bias_lr_scale: float = 1.0
+    """Learning-rate multiplier of the relative-position bias table (1 = paper; tiny runs need ~100)."""
+    max_steps: int = 0
+    """Stop after this many updates (0 = all rows of all epochs)."""
+    eval_every: int = 50
+    """Validate every N updates (and at step 0 and at the end)."""
+    log_every: int = 10
+    """Append to metrics.jsonl every N updates."""
+    ckpt_every: int = 100
+    """Checkpoint every N updates (and at the end)."""
+    keep_checkpoints: int = 3
+    """Keep the newest K checkpoints."""
+    max_nonfinite_steps: int = 5
+    """Stop the run after this many non-finite losses in a row (each one skips its update)."""
+    seed: int = 0
+    """Seed for initialisation and dropout (data order is fixed by the shards)."""
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise ConfigError("train.batch_size and train.grad_accum must be >= 1")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError("train.keep_checkpoints must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    """Name of the preset; outputs go to work_dir."""
+    work_dir: str = "work/tiny"
+    """Default home of corpus/, aux/, epochs/ and runs/ (relative to the repository)."""
+    seed: int = 1234
+    """Seed for data splits, masking and sampling."""
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    aux: AuxConfig = field(default_factory=AuxConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # Default locations of each stage's output.
+    @property
+    def corpus_dir(self) -> Path:
+        return Path(self.work_dir) / "corpus"
+
+    @property
+    def aux_dir(self) -> Path:
+        return Path(self.work_dir) / "aux"
+
+    @property
+    def epochs_dir(self) -> Path:
+        return Path(self.work_dir) / "epochs"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.work_dir) / "runs" / "default"
+
+
+def _build(cls, data: dict, where: str):
+    """Build dataclass `cls` from `data`, refusing unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'manifest'} must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown manifest key(s) {', '.join(where + k for k in unknown)}; "
+                          f"known in {where.rstrip('.') or 'top level'}: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{where}{name}.")
+            continue
+        kwargs[name] = _coerce(value, hint, where + name)
+    return cls(**kwargs)
+
+
+def _coerce(value, hint, key):
+    origin = typing.get_origin(hint) or hint
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(v, item, key) for v in value]
+    if not isinstance(value, origin) or (origin is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {origin.__name__}, got {value!r}")
+    return value
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    return _build(RunConfig, data, "")
+
+
+def load_manifest(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"manifest {path} does not exist")
+    with path.open("rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"manifest {path} is not valid TOML: {e}") from e
+    return config_from_dict(data)
+
+
+def config_to_dict(config: RunConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def config_hash(config: RunConfig) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps(config_to_dict(config), sort_keys=True).encode()).hexdigest()
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf") if not math.isnan(value) else "nan"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(config: RunConfig) -> str:
+    """The resolved config as TOML that `load_manifest` reads back to an equal config."""
+    data = config_to_dict(config)
+    top = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    tables = []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            tables.append(f"\n[{k}]\n" + "\n".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()))
+    return "\n".join(top) + "\n" + "\n".join(tables) + "\n"
+
+
+def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
+    from common.io import atomic_write_text
+    return atomic_write_text(Path(out_dir) / "resolved_manifest.toml", dump_toml(config))

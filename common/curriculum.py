@@ -1,0 +1,87 @@
+"""Masking, temperature schedule and sampling: the RTD corruption of paper section 3.
+
+Everything random is drawn from a per-row numpy Generator seeded from
+(seed, epoch, row id), so a row's corruption never depends on batching, worker
+count or restarts. Sampling is inverse-CDF on fp32 probabilities with one
+uniform per masked position.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from common.tokenizer import MASK_ID, SPECIAL_IDS
+
+VALID_EPOCH = 1_000_000  # the "epoch" whose seeds make the held-out validation rows
+
+
+def temperature_at(u, t0: float, tau: float):
+    """Paper section 3, eq. (exp-decay): T(u) = 1 + (T0 - 1) exp(-u / tau), u = fraction of training."""
+    if isinstance(u, np.ndarray):
+        return 1.0 + (t0 - 1.0) * np.exp(-u / tau)
+    return 1.0 + (t0 - 1.0) * math.exp(-u / tau)
+
+
+def row_fraction(stream_index: np.ndarray, total_rows: int) -> np.ndarray:
+    """u of each row: its global index in the training stream / total rows of all epochs."""
+    return np.asarray(stream_index, dtype=np.float64) / float(total_rows)
+
+
+def row_rng(seed: int, epoch: int, row_id: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, row_id])
+
+
+def num_to_mask(num_candidates: int, mask_prob: float) -> int:
+    """round(mask_prob * n), half rounded up (Python's round() would round half to even)."""
+    return int(math.floor(mask_prob * num_candidates + 0.5))
+
+
+def choose_masked_positions(input_ids: np.ndarray, mask_prob: float, rng: np.random.Generator) -> np.ndarray:
+    """Sorted positions to mask: exactly round(mask_prob * n) of the n non-special tokens
+    (appendix A: 15%, special tokens never masked)."""
+    candidates = np.flatnonzero(~np.isin(input_ids, SPECIAL_IDS))
+    k = num_to_mask(len(candidates), mask_prob)
+    return np.sort(rng.choice(candidates, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
+
+
+def sample_replacements(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """x_hat ~ Softmax(log p_aux / T) (paper section 3, eq. 1), in fp32, never a special token.
+
+    logits: (K, V) aux outputs at masked positions (any float dtype); temperature: (K,);
+    uniforms: (K,) in [0, 1), one per position. Inverse-CDF sampling, deterministic.
+    """
+    logits = logits.float()
+    logits[:, list(SPECIAL_IDS)] = float("-inf")
+    log_p = torch.log_softmax(logits, dim=-1)
+    probs = torch.softmax(log_p / temperature.float()[:, None], dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    # Scale by the last cdf entry so rounding in the sum never pushes u past the end.
+    # First index whose cdf exceeds u: its own probability is > 0.
+    targets = (uniforms.double() * cdf[:, -1].double()).float()[:, None]
+    idx = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=logits.shape[1] - 1)
+    # Only rounding at the very end can land past the mass; fall back to the mode there.
+    return _avoid_zero_mass(idx, probs)
+
+
+def _avoid_zero_mass(idx: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    bad = probs.gather(1, idx[:, None]).squeeze(1) <= 0
+    if bad.any():
+        idx = idx.clone()
+        idx[bad] = probs[bad].argmax(dim=-1)
+    return idx
+
+
+def rtd_labels(original: np.ndarray, corrupted: np.ndarray) -> np.ndarray:
+    """1 where the token differs from the original. A sample equal to the original is
+    labelled 0 (original), as in the reference ELECTRA."""
+    return (original != corrupted).astype(np.int8)
+
+
+def mask_for_mlm(input_ids: np.ndarray, mask_prob: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """MLM input for the aux model: [MASK] at the chosen positions. Returns (masked ids, positions)."""
+    positions = choose_masked_positions(input_ids, mask_prob, rng)
+    masked = input_ids.copy()
+    masked[positions] = MASK_ID
+    return masked, positions

@@ -1,0 +1,67 @@
+"""Parquet schemas of the packed corpus and of the generated shards, and their I/O.
+
+Columns use native Arrow list types; every file is written atomically.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from common.io import atomic_path, sha256_file
+
+FORMAT_VERSION = 1
+
+# One packed sequence of the corpus: [CLS] tokens-of-one-document [SEP].
+CORPUS_SCHEMA = pa.schema([
+    pa.field("row_id", pa.int64(), nullable=False),
+    pa.field("doc_id", pa.int32(), nullable=False),
+    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+])
+
+# One corrupted row of an epoch, at the temperature of the training step that reads it.
+SHARD_SCHEMA = pa.schema([
+    pa.field("stream_index", pa.int64(), nullable=False),   # position in the training stream
+    pa.field("row_id", pa.int64(), nullable=False),         # row of the packed corpus
+    pa.field("temperature", pa.float32(), nullable=False),
+    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),  # corrupted sequence
+    pa.field("labels", pa.list_(pa.int8()), nullable=False),      # 1 = replaced
+])
+
+
+def write_parquet(path: str | Path, columns: dict, schema: pa.Schema) -> dict:
+    """Write `columns` with `schema` atomically; returns bytes and sha256 of the file."""
+    table = pa.Table.from_pydict(columns, schema=schema)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=False,
+                       write_statistics=False, store_schema=True)
+    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+def read_parquet(path: str | Path, schema: pa.Schema) -> pa.Table:
+    """Read a file and check it has exactly `schema`'s columns and types."""
+    table = pq.read_table(path)
+    got = {f.name: f.type for f in table.schema}
+    want = {f.name: f.type for f in schema}
+    if got != want:
+        raise ValueError(f"{path}: schema {got} differs from the expected {want}")
+    return table
+
+
+def list_column(table: pa.Table, name: str) -> list[np.ndarray]:
+    """A list column as one numpy array per row (views into one flat buffer)."""
+    column = table.column(name).combine_chunks()
+    flat = column.values.to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    return [flat[offsets[i]:offsets[i + 1]] for i in range(len(column))]
+
+
+def int_lists(arrays: list[np.ndarray], pa_type: pa.DataType) -> pa.Array:
+    """numpy arrays -> an Arrow list array, without a Python loop over tokens."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(pa_type.to_pandas_dtype())))

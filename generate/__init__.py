@@ -1,0 +1,1 @@
+"""Stage 1: the offline corpus generator (`python -m generate`), a Ray job."""

@@ -1,0 +1,111 @@
+"""The Ray side of the generator: one actor per device, a driver loop over shard tasks.
+
+Each actor loads the aux model and the corpus once (`__init__`) and then turns
+tasks into shard files. The driver hands tasks to idle actors, records every
+finished shard in `progress.jsonl` (so a killed run resumes where it stopped),
+and shows a tqdm bar with tokens/s and ETA. An actor whose process dies is
+restarted by Ray and its task retried; the output does not change because
+every row's randomness is seeded from (seed, epoch, row id).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+import ray
+import torch
+from tqdm import tqdm
+
+from generate.worker import ShardTask
+
+PROGRESS_FILE = "progress.jsonl"
+FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # tests: path of a marker; the first task dies
+
+
+@ray.remote
+class ShardActor:
+    def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
+                 batch_tokens: int, threads: int):
+        from common.corpus import load_split
+        from generate.worker import Corruptor, ShardWriter
+        torch.set_num_threads(threads)
+        device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+        corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device)
+        rows = {split: load_split(corpus_dir, split) for split in ("train", "valid")}
+        self.writer = ShardWriter(rows, corruptor, out_dir)
+        self.device = device
+
+    def run(self, task: ShardTask) -> dict:
+        marker = os.environ.get(FAIL_ONCE_ENV)
+        if marker and not os.path.exists(marker):
+            Path(marker).write_text(f"killed pid {os.getpid()} on {task.path}\n")
+            os._exit(1)  # a real process death mid-task, not an exception
+        return {**self.writer(task), "device": self.device}
+
+
+def read_progress(out_dir: Path) -> dict[str, dict]:
+    """Shard records of an earlier (maybe killed) run; a torn last line is ignored."""
+    path = out_dir / PROGRESS_FILE
+    records = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            records[record["path"]] = record
+    return records
+
+
+def append_progress(out_dir: Path, record: dict) -> None:
+    with open(out_dir / PROGRESS_FILE, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def start_ray(address: str | None, workers: int) -> None:
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=True)
+    else:
+        env = {k: v for k, v in os.environ.items() if k == FAIL_ONCE_ENV}
+        ray.init(num_cpus=workers, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+                 logging_level="WARNING", object_store_memory=256 * 1024 * 1024,
+                 runtime_env={"env_vars": env} if env else None)
+
+
+def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None) -> list[dict]:
+    """Run `tasks` on `workers` actors; returns their records in completion order."""
+    start_ray(address, workers)
+    use_gpu = bool(ray.cluster_resources().get("GPU", 0))
+    options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 3, "max_task_retries": 3}
+    actors = [ShardActor.options(**options).remote(**actor_args) for _ in range(workers)]
+    queue, pending, records = deque(tasks), {}, []
+    tokens, t0 = 0, time.time()
+    bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)
+    try:
+        idle = list(actors)
+        while queue or pending:
+            while queue and idle:
+                actor = idle.pop()
+                task = queue.popleft()
+                pending[actor.run.remote(task)] = actor
+            done, _ = ray.wait(list(pending), num_returns=1)
+            actor = pending.pop(done[0])
+            record = ray.get(done[0])
+            append_progress(out_dir, record)
+            records.append(record)
+            idle.append(actor)
+            tokens += record["tokens"]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}", device=record["device"])
+    finally:
+        bar.close()
+        for actor in actors:
+            ray.kill(actor)
+    return records

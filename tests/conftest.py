@@ -1,0 +1,74 @@
+"""Shared tiny fixtures: a corpus the tests write themselves, a tiny config, a 2-layer aux."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import RunConfig, config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the king queen lord lady speaks answers comes goes night day sword crown love death "
+         "fair foul good noble heart blood sweet sorrow friend enemy castle field heaven earth "
+         "thou thee thy hath doth shall will must never ever now then here there").split()
+
+
+def write_text_corpus(folder: Path, num_docs: int = 6, sentences: int = 120, seed: int = 0) -> Path:
+    """A folder of .txt documents of seeded pseudo-English, one work per file."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for d in range(num_docs):
+        paragraphs = []
+        for _ in range(sentences // 6):
+            lines = [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))).capitalize() + "." for _ in range(6)]
+            paragraphs.append("\n".join(lines))
+        (folder / f"work_{d:02d}.txt").write_text(f"TITLE {d}\n\n" + "\n\n".join(paragraphs) + "\n")
+    return folder
+
+
+def tiny_config(work_dir: Path, **overrides) -> RunConfig:
+    data = {
+        "name": "test", "work_dir": str(work_dir), "seed": 7,
+        "corpus": {"source": str(work_dir / "raw"), "max_seq_len": 32, "min_seq_len": 8,
+                   "valid_fraction": 0.2, "rows_per_part": 64},
+        "tokenizer": {"vocab_size": 320},
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "ffn_size": 64,
+                  "rel_buckets": 8, "rel_max_distance": 16, "dropout": 0.1},
+        "aux": {"num_layers": 2, "steps": 6, "batch_size": 8, "warmup_steps": 2},
+        "generate": {"epochs": 2, "rows_per_epoch": 0, "rows_per_shard": 40, "batch_tokens": 512,
+                     "valid_rows": 24},
+        "train": {"batch_size": 8, "warmup_steps": 2, "eval_every": 4, "log_every": 1, "ckpt_every": 4,
+                  "rel_bias_lr_scale": 10.0},
+    }
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            data[section].update(values)
+        else:
+            data[section] = values
+    return config_from_dict(data)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """A corpus, tokenizer and 2-layer aux model built once per test session."""
+    from common.corpus import build_corpus
+    from train.aux import train_aux
+    work = tmp_path_factory.mktemp("work")
+    write_text_corpus(work / "raw")
+    config = tiny_config(work)
+    torch.set_num_threads(1)
+    build_corpus(config, config.corpus_dir, log=lambda *_: None)
+    train_aux(config, config.corpus_dir, config.aux_dir, log=lambda *_: None)
+    return config
+
+
+@pytest.fixture
+def env_with_repo():
+    """Environment for subprocesses that import this repository's packages."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

@@ -1,0 +1,47 @@
+"""Manifests: unknown keys and wrong types are errors; the resolved TOML reads back equal."""
+import pytest
+
+from common.config import ConfigError, config_from_dict, dump_toml, load_manifest
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("name", ["tiny", "base", "large"])
+def test_checked_in_manifests_load_and_round_trip(name, tmp_path):
+    config = load_manifest(ROOT / "manifests" / f"{name}.toml")
+    path = tmp_path / "resolved.toml"
+    path.write_text(dump_toml(config))
+    assert load_manifest(path) == config
+
+
+def test_unknown_key_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match=r"train\.learning_rate"):
+        config_from_dict({"train": {"learning_rate": 1e-3}})
+    with pytest.raises(ConfigError, match="colour"):
+        config_from_dict({"colour": "blue"})
+
+
+def test_wrong_type_and_bad_values_are_errors():
+    with pytest.raises(ConfigError, match="train.batch_size must be int"):
+        config_from_dict({"train": {"batch_size": "32"}})
+    with pytest.raises(ConfigError, match="generate.epochs"):
+        config_from_dict({"generate": {"epochs": 0}})
+    with pytest.raises(ConfigError, match="temperature_granularity"):
+        config_from_dict({"generate": {"temperature_granularity": "step"}})
+    with pytest.raises(ConfigError, match="divisible"):
+        config_from_dict({"model": {"hidden_size": 100, "num_heads": 3}})
+
+
+def test_missing_manifest_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_manifest(tmp_path / "nope.toml")
+
+
+def test_paper_hyper_parameters_in_base_and_large():
+    for name, layers, width, aux_layers, buckets, distance in (("base", 12, 768, 4, 32, 128),
+                                                               ("large", 24, 1024, 6, 128, 256)):
+        c = load_manifest(ROOT / "manifests" / f"{name}.toml")
+        assert (c.model.num_layers, c.model.hidden_size, c.aux.num_layers) == (layers, width, aux_layers)
+        assert (c.model.rel_buckets, c.model.rel_max_distance) == (buckets, distance)
+        assert (c.train.lr, c.train.betas, c.train.eps, c.train.weight_decay) == (1e-3, [0.9, 0.98], 1e-6, 0.01)
+        assert (c.train.batch_size, c.train.max_steps, c.train.warmup_steps, c.train.clip_norm) == (2048, 125_000, 10_000, 2.0)
+        assert (c.generate.t0, c.generate.tau, c.corpus.max_seq_len, c.tokenizer.vocab_size) == (2.0, 0.1, 512, 128_000)

@@ -1,0 +1,88 @@
+"""The whole chain on a corpus the test writes: Ray generation with 2 CPU workers,
+then `torchrun` with 2 gloo ranks. Checks that manifest, shards and metrics agree."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from common.config import dump_toml
+from common.corpus import load_split
+from common.curriculum import temperature_at
+from common.io import sha256_file
+from common.shards import SHARD_SCHEMA, list_column, read_parquet
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def generated(built, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gen")
+    manifest = folder / "test.toml"
+    manifest.write_text(dump_toml(built))
+    out = folder / "epochs"
+    result = subprocess.run([sys.executable, "-m", "generate", "--manifest", str(manifest), "--out", str(out),
+                             "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return manifest, out, result
+
+
+def test_generation_manifest_matches_the_shards(built, generated):
+    _, out, result = generated
+    assert "generate: " in result.stdout and "tokens/s" in result.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    train_rows = load_split(built.corpus_dir, "train")
+    assert len(manifest["epochs"]) == 2
+    assert manifest["total_rows"] == 2 * len(train_rows) == sum(e["rows"] for e in manifest["epochs"])
+    assert manifest["schema"] == [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA]
+    next_index = 0
+    for epoch in manifest["epochs"]:
+        replaced = masked_positions = 0
+        for shard in epoch["shards"]:
+            path = out / shard["path"]
+            assert path.stat().st_size == shard["bytes"] and sha256_file(path) == shard["sha256"]
+            table = read_parquet(path, SHARD_SCHEMA)
+            stream = table.column("stream_index").to_numpy()
+            assert stream.tolist() == list(range(next_index, next_index + shard["rows"]))
+            next_index += shard["rows"]
+            temps = table.column("temperature").to_numpy()
+            assert np.array_equal(temps, temperature_at(stream / manifest["total_rows"], 2.0, 0.1).astype(np.float32))
+            assert (shard["temperature_min"], shard["temperature_max"]) == pytest.approx((temps.min(), temps.max()))
+            ids, labels = list_column(table, "input_ids"), list_column(table, "labels")
+            for row_id, corrupted, label in zip(table.column("row_id").to_numpy(), ids, labels):
+                original = train_rows[row_id]
+                assert np.array_equal(label, (corrupted != original).astype(np.int8))
+                replaced += int(label.sum())
+            assert sum(len(i) for i in ids) == shard["tokens"]
+        assert epoch["replaced_fraction"] == pytest.approx(replaced / epoch["masked_positions"])
+        assert 0 < epoch["replaced_fraction"] <= 1 and 0 <= epoch["aux_top1"] <= 1
+    assert manifest["epochs"][0]["temperature_max"] == 2.0
+    assert manifest["valid"]["temperature_max"] == manifest["valid"]["temperature_min"] == 1.0
+    assert not list(out.rglob(".*.tmp-*"))
+
+
+def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path, env_with_repo):
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_with_repo)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data_manifest = json.loads((data / "manifest.json").read_text())
+    steps = data_manifest["total_rows"] // built.train.batch_size
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # log_every = 1
+    for r in records:
+        assert np.isfinite(r["loss"]) and r["rows"] == [(r["step"] - 1) * 8, r["step"] * 8]
+        assert 1.0 <= r["temperature_min"] <= r["temperature_max"] <= 2.0
+    assert records[0]["temperature_max"] == 2.0
+    evals = [r for r in records if "val_auc" in r]
+    assert [r["step"] for r in evals] == sorted({*range(4, steps + 1, 4), steps})
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["dropped_tail_rows"] == data_manifest["total_rows"] - steps * 8
+    assert summary["end"]["step"] == steps and summary["temperature_consumed"][1] == 2.0
+    assert "RTD loss" in result.stdout and "recall (replaced tokens)" in result.stdout
+    assert (run / "checkpoints" / f"step-{steps:08d}.pt").is_file()
+    assert (run / "resolved_manifest.toml").is_file()

@@ -1,0 +1,86 @@
+"""The generator without Ray: the pure corruption function, the plan, and input checks."""
+import json
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs
+from common.config import GenerateConfig
+from common.corpus import load_split
+from common.curriculum import num_to_mask, temperature_at
+from common.sources import CorpusError
+from common.tokenizer import SPECIAL_IDS
+from generate.__main__ import OutputConflict, generate
+from generate.plan import plan_tasks
+from generate.worker import Corruptor
+
+
+def test_corruptor_is_pure_and_follows_the_label_rule(built):
+    rows = load_split(built.corpus_dir, "train")[:20]
+    corruptor = Corruptor(built.aux_dir / AUX_FILE, seed=3, mask_prob=0.15, batch_tokens=200)
+    temps = np.linspace(2.0, 1.0, len(rows))
+    out = corruptor(rows, np.arange(20), epoch=0, temperatures=temps)
+    again = corruptor(rows, np.arange(20), epoch=0, temperatures=temps)
+    assert all(np.array_equal(a, b) for a, b in zip(out["input_ids"], again["input_ids"]))
+    changed = 0
+    for original, corrupted, labels in zip(rows, out["input_ids"], out["labels"]):
+        assert corrupted.shape == original.shape and labels.dtype == np.int8
+        assert np.array_equal(labels, (corrupted != original).astype(np.int8))
+        special = np.isin(original, SPECIAL_IDS)
+        assert np.array_equal(corrupted[special], original[special])  # specials never touched
+        assert not np.isin(corrupted[~special], SPECIAL_IDS).any()    # and never sampled
+        assert labels.sum() <= num_to_mask(int((~special).sum()), 0.15)
+        changed += int(labels.sum())
+    assert out["replaced"] == changed and out["masked"] >= changed > 0
+    other_epoch = corruptor(rows, np.arange(20), epoch=1, temperatures=temps)
+    assert any(not np.array_equal(a, b) for a, b in zip(out["input_ids"], other_epoch["input_ids"]))
+
+
+def test_plan_gives_every_row_its_own_u():
+    cfg = GenerateConfig(epochs=3, rows_per_epoch=50, rows_per_shard=16, valid_rows=10)
+    tasks = plan_tasks(num_train_rows=80, num_valid_rows=30, cfg=cfg, seed=1)
+    valid = [t for t in tasks if t.split == "valid"]
+    train = [t for t in tasks if t.split == "train"]
+    assert sum(len(t.row_ids) for t in valid) == 10 and all((t.temperatures == 1.0).all() for t in valid)
+    stream = np.concatenate([t.stream_start + np.arange(len(t.row_ids)) for t in train])
+    assert stream.tolist() == list(range(150))  # 3 epochs x 50 rows, in order
+    temps = np.concatenate([t.temperatures for t in train])
+    assert temps[0] == 2.0
+    assert np.allclose(temps, temperature_at(stream / 150, 2.0, 0.1))
+    for epoch in range(3):
+        ids = np.concatenate([t.row_ids for t in train if t.epoch == epoch])
+        assert len(set(ids.tolist())) == 50 and ids.max() < 80  # a sample without repeats
+    coarse = plan_tasks(80, 30, GenerateConfig(epochs=2, rows_per_shard=40, temperature_granularity="epoch"), 1)
+    coarse_train = [t for t in coarse if t.split == "train"]
+    assert {t.epoch for t in coarse_train} == {0, 1}
+    for t in coarse_train:  # the paper's coarser option: one temperature per epoch, u = epoch / epochs
+        assert np.all(t.temperatures == temperature_at(t.epoch / 2, 2.0, 0.1))
+
+
+def _copy_aux_with_vocab(built, tmp_path, vocab):
+    aux = tmp_path / "aux"
+    aux.mkdir()
+    (aux / AUX_FILE).write_bytes((built.aux_dir / AUX_FILE).read_bytes())
+    meta = json.loads((built.aux_dir / AUX_META).read_text())
+    meta["vocab_size"] = vocab
+    (aux / AUX_META).write_text(json.dumps(meta))
+    return aux / AUX_FILE
+
+
+def test_bad_inputs_are_refused_before_ray_starts(built, tmp_path):
+    out = tmp_path / "epochs"
+    bad_aux = _copy_aux_with_vocab(built, tmp_path, 999)
+    with pytest.raises(IncompatibleInputs, match=r"vocabulary of 999 tokens but the tokenizer .* has 320"):
+        generate(built, out, built.corpus_dir, bad_aux, workers=1)
+    with pytest.raises(CorpusError, match="run `make corpus` first"):
+        generate(built, out, tmp_path / "no_corpus", built.aux_dir / AUX_FILE, workers=1)
+    with pytest.raises(FileNotFoundError, match="make aux"):
+        generate(built, out, built.corpus_dir, tmp_path / "none" / AUX_FILE, workers=1)
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps({"generation_key": "something-else"}))
+    with pytest.raises(OutputConflict, match="different generation"):
+        generate(built, out, built.corpus_dir, built.aux_dir / AUX_FILE, workers=1)
+    assert not ray.is_initialized()
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json"]  # nothing written

@@ -1,0 +1,44 @@
+"""The encoder: shapes, tied MLM head at masked positions only, padding invariance, buckets."""
+import torch
+
+from common.config import ModelConfig
+from common.model import MaskedLM, ReplacedTokenDetector, count_parameters, relative_position_bucket
+
+CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, rel_buckets=8, rel_max_distance=16)
+
+
+def test_rtd_one_logit_per_token_and_padding_does_not_change_outputs():
+    torch.manual_seed(0)
+    model = ReplacedTokenDetector(CFG, 100).eval()
+    ids = torch.randint(5, 100, (1, 10))
+    short = model(ids, torch.ones_like(ids, dtype=torch.bool))
+    padded_ids = torch.cat([ids, torch.zeros(1, 6, dtype=torch.long)], 1)
+    mask = torch.arange(16)[None] < 10
+    padded = model(padded_ids, mask)
+    assert short.shape == (1, 10) and padded.shape == (1, 16)
+    assert torch.allclose(short, padded[:, :10], atol=1e-5)
+
+
+def test_mlm_head_is_tied_and_only_scores_masked_positions():
+    model = MaskedLM(CFG, 100, num_layers=1)
+    assert model.head.embedding.weight is model.encoder.embed.weight
+    ids = torch.randint(5, 100, (3, 12))
+    flags = torch.zeros(3, 12, dtype=torch.bool)
+    flags[0, 2] = flags[2, 5] = flags[2, 7] = True
+    logits = model(ids, torch.ones_like(flags), flags)
+    assert logits.shape == (3, 100)
+    # a state dict saved and loaded keeps the weights tied
+    clone = MaskedLM(CFG, 100, num_layers=1)
+    clone.load_state_dict(model.state_dict())
+    assert clone.head.embedding.weight is clone.encoder.embed.weight
+    assert count_parameters(model) == count_parameters(clone)
+
+
+def test_relative_buckets_are_bidirectional_and_bounded():
+    rel = torch.arange(-300, 301)
+    buckets = relative_position_bucket(rel, 32, 128)
+    assert buckets.min() == 0 and buckets.max() == 31
+    assert (buckets[rel > 0] >= 16).all() and (buckets[rel <= 0] < 16).all()
+    near = relative_position_bucket(torch.arange(0, 8), 32, 128)
+    assert near.tolist() == [0, 17, 18, 19, 20, 21, 22, 23]  # exact for small distances
+    assert relative_position_bucket(torch.tensor([200, 1000]), 32, 128).tolist() == [31, 31]

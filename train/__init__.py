@@ -1,0 +1,1 @@
+"""Stage 2: the trainer (`python -m train` under torchrun) and its objectives."""

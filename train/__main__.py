@@ -1,0 +1,275 @@
+"""`make train`: the Fast-ELECTRA trainer. RTD loss only, on the generator's shards
+(paper section 3: min_theta L_RTD(theta); the aux model costs nothing here).
+
+    torchrun --nproc_per_node N -m train --manifest PATH --data DIR --out RUN [--resume]
+
+One loop, top to bottom. Global batch b at step s = stream rows [s*b, (s+1)*b);
+rank r of W reads its contiguous b/W rows as `grad_accum` micro-batches. The loss
+is the mean over all non-pad tokens of the global batch, so W ranks give the
+same update as one. Checkpoints hold everything needed to continue bitwise.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
+from common.config import ConfigError, config_to_dict, load_manifest, save_resolved
+from common.model import ReplacedTokenDetector, count_parameters
+from common.optim import build_optimizer, build_scheduler
+from train.data import DataError, load_data_manifest, rank_slice, to_tensors, training_stream, validation_stream
+from train.metrics import rtd_metrics
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """torchrun sets WORLD_SIZE/RANK; NCCL on GPU, gloo on CPU. Plain `python -m train` is one rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+@torch.no_grad()
+def evaluate(model, valid, device, autocast, batch_size: int = 64) -> dict:
+    """RTD metrics on all held-out rows (generated at T = 1)."""
+    model.eval()
+    logits, labels, masks = [], [], []
+    for start in range(0, valid.num_rows, batch_size):
+        batch = to_tensors(valid.rows(start, min(start + batch_size, valid.num_rows)))
+        with autocast:
+            out = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        logits.append(out.float().cpu().flatten())
+        labels.append(batch["labels"].flatten())
+        masks.append(batch["attention_mask"].flatten())
+    model.train()
+    return rtd_metrics(torch.cat(logits), torch.cat(labels), torch.cat(masks))
+
+
+def all_reduce(values: list[float], world: int, op=None) -> list[float]:
+    """Sum (or `op`) of a few floats over all ranks."""
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def train(args) -> dict:
+    rank, world, device = setup_distributed()
+    config = load_manifest(args.manifest)
+    tc = config.train
+    run_dir = Path(args.out) if args.out else config.run_dir
+    data_dir = Path(args.data) if args.data else config.epochs_dir
+    manifest, manifest_hash = load_data_manifest(data_dir, config)
+    if tc.batch_size % (world * tc.grad_accum):
+        raise ConfigError(f"train.batch_size {tc.batch_size} must be divisible by ranks x grad_accum "
+                          f"= {world} x {tc.grad_accum}")
+    stream, valid = training_stream(data_dir, manifest), validation_stream(data_dir, manifest)
+    # 32 rows x 128 tokens = 4096 tokens per update on the tiny preset.
+    total_steps = stream.num_rows // tc.batch_size
+    if tc.max_steps:
+        total_steps = min(total_steps, tc.max_steps)
+    dropped_rows = stream.num_rows - total_steps * tc.batch_size
+    micro = tc.batch_size // (world * tc.grad_accum)
+
+    torch.manual_seed(tc.seed)  # same initial weights on every rank
+    model = ReplacedTokenDetector(config.model, manifest["vocab_size"]).to(device)
+    optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale)
+    scheduler = build_scheduler(optimizer, tc.warmup_steps, total_steps)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    torch.manual_seed(tc.seed + 1000 + rank)  # dropout stream of this rank
+
+    step, history, nonfinite_total, nonfinite_run = 0, {}, 0, 0
+    ckpt_dir = run_dir / "checkpoints"
+    if args.resume and (found := latest_checkpoint(ckpt_dir)):
+        path, state = found
+        if state["data_manifest_sha256"] != manifest_hash:
+            raise IncompatibleInputs(f"checkpoint {path} was trained on a data manifest with sha256 "
+                                     f"{state['data_manifest_sha256'][:12]}, {data_dir} has {manifest_hash[:12]}")
+        if state["config"] != config_to_dict(config):
+            raise IncompatibleInputs(f"checkpoint {path} was made with another config; use a new --out")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, history = state["step"], state["history"]
+        nonfinite_total, nonfinite_run = state["nonfinite_total"], state["nonfinite_run"]
+        if state["world_size"] == world:
+            torch.set_rng_state(state["rng"][rank])
+        if rank == 0:
+            print(f"train: resumed from {path} at step {step}")
+    elif ckpt_dir.is_dir() and any(ckpt_dir.iterdir()) and not args.resume:
+        raise ConfigError(f"{run_dir} already holds checkpoints; pass --resume or choose another --out")
+
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model  # the one place
+    is_main = rank == 0
+    metrics_path = run_dir / "metrics.jsonl"
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(config, run_dir)
+        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= step] \
+            if metrics_path.is_file() and step else []
+        metrics_path.write_text("".join(l + "\n" for l in kept))  # drop lines past the resumed step
+        print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
+              f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {tc.grad_accum} accum); "
+              f"{dropped_rows} tail rows dropped; data {data_dir}")
+        if "start" not in history:
+            history["start"] = {"step": 0, **evaluate(model, valid, device, autocast)}
+    if world > 1:
+        dist.barrier()
+
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not is_main, dynamic_ncols=True)
+    t_start, tokens_seen, temps = time.time(), 0, [math.inf, -math.inf]
+    while step < total_steps:
+        start, stop = rank_slice(step, tc.batch_size, rank, world)
+        rows = stream.rows(start, stop)
+        neg_t_min, t_max = all_reduce([-float(rows["temperature"].min()), float(rows["temperature"].max())],
+                                      world, dist.ReduceOp.MAX if world > 1 else None)
+        temps = [min(temps[0], -neg_t_min), max(temps[1], t_max)]
+        consumed = history.setdefault("temperature_consumed", [math.inf, -math.inf])
+        history["temperature_consumed"] = [min(consumed[0], temps[0]), max(consumed[1], temps[1])]
+        batches = [to_tensors({k: v[i * micro:(i + 1) * micro] for k, v in rows.items()}) for i in range(tc.grad_accum)]
+        local_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        (global_tokens,) = all_reduce([float(local_tokens)], world)
+        loss_sum = 0.0
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = ddp_model.no_sync() if (world > 1 and not last) else contextlib.nullcontext()
+            with sync, autocast:
+                ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+                logits = ddp_model(ids, mask)
+                loss = F.binary_cross_entropy_with_logits(logits[mask].float(), batch["labels"].to(device)[mask],
+                                                          reduction="sum")
+                # DDP averages gradients over ranks, so scale by W: the result is d(sum / global_tokens).
+                (loss * world / global_tokens).backward()
+            loss_sum += loss.item()
+        (loss_sum,) = all_reduce([loss_sum], world)
+        step_loss = loss_sum / global_tokens
+        if math.isfinite(step_loss):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm))
+            optimizer.step()
+            nonfinite_run = 0
+        else:
+            grad_norm = float("nan")
+            nonfinite_total += 1
+            nonfinite_run += 1
+            if nonfinite_run >= tc.max_nonfinite_steps:
+                last = latest_checkpoint(ckpt_dir)
+                raise FloatingPointError(f"{nonfinite_run} non-finite losses in a row, last at step {step} "
+                                         f"(stream rows {step * tc.batch_size}..{(step + 1) * tc.batch_size - 1}); "
+                                         f"last good checkpoint: {last[0] if last else 'none'}")
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        step += 1
+        tokens_seen += global_tokens
+        tokens_per_s = tokens_seen / (time.time() - t_start)
+        bar.update(1)
+        if is_main:
+            bar.set_postfix(loss=f"{step_loss:.4f}", T=f"{temps[1]:.3f}", tok_s=f"{tokens_per_s:.0f}")
+        record = None
+        if step % tc.log_every == 0 or step == total_steps:
+            record = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+                      "temperature_min": temps[0], "temperature_max": temps[1], "tokens_per_s": tokens_per_s,
+                      "peak_memory_mb": peak_memory_mb(device), "nonfinite_steps": nonfinite_total,
+                      "rows": [step * tc.batch_size - tc.batch_size, step * tc.batch_size]}
+            temps = [math.inf, -math.inf]
+        if step % tc.eval_every == 0 or step == total_steps:
+            if is_main:
+                evaluation = evaluate(model, valid, device, autocast)
+                history["last"] = {"step": step, **evaluation}
+                record = {**(record or {"step": step}), **{f"val_{k}": v for k, v in evaluation.items()}}
+            if world > 1:
+                dist.barrier()
+        if is_main and record:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if step % tc.ckpt_every == 0 or step == total_steps:
+            rng_states = [None] * world
+            if world > 1:
+                dist.all_gather_object(rng_states, torch.get_rng_state())
+            else:
+                rng_states = [torch.get_rng_state()]
+            if is_main:
+                save_checkpoint({
+                    "step": step, "rows_consumed": step * tc.batch_size, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": rng_states, "world_size": world, "config": config_to_dict(config),
+                    "data_manifest_sha256": manifest_hash, "history": history,
+                    "nonfinite_total": nonfinite_total, "nonfinite_run": nonfinite_run,
+                }, ckpt_dir, tc.keep_checkpoints)
+    bar.close()
+    elapsed = time.time() - t_start
+    summary = {}
+    if is_main:
+        summary = write_summary(run_dir, history, total_steps, dropped_rows, tokens_seen / max(elapsed, 1e-9),
+                                nonfinite_total, device)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
+                  tokens_per_s: float, nonfinite: int, device) -> dict:
+    start, end = history["start"], history.get("last", history["start"])
+    consumed = history.get("temperature_consumed", [math.nan, math.nan])
+    summary = {"steps": total_steps, "dropped_tail_rows": dropped_rows, "start": start, "end": end,
+               "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
+               "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    lines = [
+        "",
+        f"Fast-ELECTRA run: {total_steps} steps on {device}, {tokens_per_s:.0f} tokens/s (this session)",
+        f"  validation (held-out rows, T = 1)   step {start['step']:>6}   step {end['step']:>6}",
+        f"    RTD loss                          {start['loss']:>11.4f}   {end['loss']:>11.4f}",
+        f"    accuracy                          {start['accuracy']:>11.4f}   {end['accuracy']:>11.4f}",
+        f"    recall (replaced tokens)          {start['recall']:>11.4f}   {end['recall']:>11.4f}",
+        f"    precision (replaced tokens)       {start['precision']:>11.4f}   {end['precision']:>11.4f}",
+        f"    AUC                               {start['auc']:>11.4f}   {end['auc']:>11.4f}",
+        f"  temperatures consumed: {consumed[0]:.4f} .. {consumed[1]:.4f}",
+        f"  outputs: {run_dir}/metrics.jsonl, {run_dir}/checkpoints/, {run_dir}/summary.json",
+    ]
+    print("\n".join(lines))
+    return summary
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="torchrun -m train", description="Fast-ELECTRA RTD trainer on shards.")
+    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
+    parser.add_argument("--out", default=None, help="run folder (default: WORK_DIR/runs/default)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        train(args)
+    except (ConfigError, DataError, IncompatibleInputs) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Reading the generator's shards in manifest order (DESIGN.md, trainer contract).
+
+Global batch b at step s is rows [s*b, (s+1)*b) of the stream; rank r of W takes
+its contiguous slice. Every shard is checked against the manifest (size at start,
+sha256 when first opened) before a row of it is used.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.batching import attention_mask, pad_rows
+from common.checkpoint import IncompatibleInputs
+from common.config import RunConfig
+from common.io import sha256_file
+from common.shards import SHARD_SCHEMA, list_column, read_parquet
+
+MANIFEST_FILE = "manifest.json"
+
+
+class DataError(ValueError):
+    """The shards are missing, damaged, or do not fit the trainer's config."""
+
+
+def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, str]:
+    """Read manifest.json, check it against the config; returns (manifest, its sha256)."""
+    path = Path(data_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: run `make generate-epochs` (an unfinished generation has no manifest)")
+    raw = path.read_bytes()
+    manifest = json.loads(raw)
+    if manifest["vocab_size"] != config.tokenizer.vocab_size:
+        raise IncompatibleInputs(f"shards in {data_dir} have vocabulary {manifest['vocab_size']} but the manifest "
+                                 f"config has tokenizer.vocab_size = {config.tokenizer.vocab_size}")
+    if manifest["max_seq_len"] != config.corpus.max_seq_len:
+        raise IncompatibleInputs(f"shards in {data_dir} have sequence length {manifest['max_seq_len']} but the "
+                                 f"manifest config has corpus.max_seq_len = {config.corpus.max_seq_len}")
+    schema = [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA]
+    if manifest["schema"] != schema:
+        raise IncompatibleInputs(f"shards in {data_dir} have schema {manifest['schema']}, the trainer reads {schema}")
+    return manifest, hashlib.sha256(raw).hexdigest()
+
+
+@dataclass
+class Shard:
+    start: int  # stream index of its first row
+    rows: int
+    path: Path
+    bytes: int
+    sha256: str
+
+
+class ShardStream:
+    """Random access to rows [start, stop) of a stream of shards, two shards cached."""
+
+    def __init__(self, data_dir: str | Path, shard_records: list[dict]):
+        self.shards, position = [], 0
+        for record in shard_records:
+            self.shards.append(Shard(position, record["rows"], Path(data_dir) / record["path"],
+                                     record["bytes"], record["sha256"]))
+            position += record["rows"]
+        self.num_rows = position
+        problems = [f"{s.path} is missing" if not s.path.is_file() else
+                    f"{s.path} has {s.path.stat().st_size} bytes, the manifest says {s.bytes}"
+                    for s in self.shards if not s.path.is_file() or s.path.stat().st_size != s.bytes]
+        if problems:
+            raise DataError("shards do not match the manifest: " + "; ".join(problems[:5]))
+        self._starts = [s.start for s in self.shards]
+        self._cache: OrderedDict[int, dict] = OrderedDict()
+        self._verified: set[int] = set()
+
+    def _load(self, k: int) -> dict:
+        if k in self._cache:
+            self._cache.move_to_end(k)
+            return self._cache[k]
+        shard = self.shards[k]
+        if k not in self._verified:
+            digest = sha256_file(shard.path)
+            if digest != shard.sha256:
+                raise DataError(f"{shard.path} has sha256 {digest[:12]}, the manifest says {shard.sha256[:12]}")
+            self._verified.add(k)
+        table = read_parquet(shard.path, SHARD_SCHEMA)
+        data = {"input_ids": list_column(table, "input_ids"), "labels": list_column(table, "labels"),
+                "temperature": table.column("temperature").to_numpy(),
+                "stream_index": table.column("stream_index").to_numpy()}
+        if len(data["input_ids"]) != shard.rows or (shard.rows and data["stream_index"][0] != shard.start):
+            raise DataError(f"{shard.path}: rows or stream position differ from the manifest")
+        self._cache[k] = data
+        while len(self._cache) > 2:
+            self._cache.popitem(last=False)
+        return data
+
+    def rows(self, start: int, stop: int) -> dict:
+        """Rows with stream index in [start, stop), in order."""
+        assert 0 <= start <= stop <= self.num_rows, (start, stop, self.num_rows)
+        out = {"input_ids": [], "labels": [], "temperature": [], "stream_index": []}
+        position = start
+        while position < stop:
+            k = bisect.bisect_right(self._starts, position) - 1
+            shard, data = self.shards[k], self._load(k)
+            lo, hi = position - shard.start, min(stop, shard.start + shard.rows) - shard.start
+            for key in out:
+                out[key].extend(data[key][lo:hi])
+            position = shard.start + hi
+        out["temperature"] = np.asarray(out["temperature"], dtype=np.float32)
+        out["stream_index"] = np.asarray(out["stream_index"], dtype=np.int64)
+        return out
+
+
+def training_stream(data_dir: str | Path, manifest: dict) -> ShardStream:
+    return ShardStream(data_dir, [s for e in manifest["epochs"] for s in e["shards"]])
+
+
+def validation_stream(data_dir: str | Path, manifest: dict) -> ShardStream:
+    return ShardStream(data_dir, manifest["valid"]["shards"])
+
+
+def to_tensors(rows: dict) -> dict:
+    """Padded tensors: input_ids (B, L) long, labels (B, L) float, attention_mask (B, L) bool."""
+    lengths = [len(r) for r in rows["input_ids"]]
+    ids = pad_rows(rows["input_ids"])
+    return {"input_ids": ids, "labels": pad_rows(rows["labels"], 0, torch.float32),
+            "attention_mask": attention_mask(lengths, ids.shape[1])}
+
+
+def rank_slice(step: int, batch_size: int, rank: int, world: int) -> tuple[int, int]:
+    """Stream rows [start, stop) that `rank` reads at `step` (contiguous slice of the global batch)."""
+    per_rank = batch_size // world
+    start = step * batch_size + rank * per_rank
+    return start, start + per_rank
