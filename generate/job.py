@@ -22,7 +22,9 @@ from tqdm import tqdm
 from generate.worker import ShardTask
 
 PROGRESS_FILE = "progress.jsonl"
-FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # tests: path of a marker; the first task dies
+# Fault injection for tests (real process deaths, not mocks):
+FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # path of a marker file; the first task's process dies
+SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard, to kill a run halfway
 
 
 @ray.remote
@@ -39,6 +41,7 @@ class ShardActor:
         self.device = device
 
     def run(self, task: ShardTask) -> dict:
+        time.sleep(float(os.environ.get(SLOW_ENV, "0")))
         marker = os.environ.get(FAIL_ONCE_ENV)
         if marker and not os.path.exists(marker):
             Path(marker).write_text(f"killed pid {os.getpid()} on {task.path}\n")
@@ -73,7 +76,7 @@ def start_ray(address: str | None, workers: int) -> None:
     if address:
         ray.init(address=address, logging_level="WARNING", log_to_driver=True)
     else:
-        env = {k: v for k, v in os.environ.items() if k == FAIL_ONCE_ENV}
+        env = {k: v for k, v in os.environ.items() if k in (FAIL_ONCE_ENV, SLOW_ENV)}
         ray.init(num_cpus=workers, num_gpus=torch.cuda.device_count(), include_dashboard=False,
                  logging_level="WARNING", object_store_memory=256 * 1024 * 1024,
                  runtime_env={"env_vars": env} if env else None)
