@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from common.config import RunConfig, config_from_dict
+from common.config import RunConfig, config_from_dict, dump_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the king queen lord lady speaks answers comes goes night day sword crown love death "
@@ -72,3 +74,16 @@ def env_with_repo():
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+@pytest.fixture(scope="session")
+def generated(built, tmp_path_factory):
+    """Two epochs generated once per session by the real CLI: Ray with 2 CPU workers."""
+    folder = tmp_path_factory.mktemp("gen")
+    manifest = folder / "test.toml"
+    manifest.write_text(dump_toml(built))
+    out = folder / "epochs"
+    result = subprocess.run([sys.executable, "-m", "generate", "--manifest", str(manifest), "--out", str(out),
+                             "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return manifest, out, result

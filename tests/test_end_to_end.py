@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 
-from common.config import dump_toml
 from common.corpus import load_split
 from common.curriculum import temperature_at
 from common.io import sha256_file
@@ -15,18 +14,6 @@ from common.shards import SHARD_SCHEMA, list_column, read_parquet
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def generated(built, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gen")
-    manifest = folder / "test.toml"
-    manifest.write_text(dump_toml(built))
-    out = folder / "epochs"
-    result = subprocess.run([sys.executable, "-m", "generate", "--manifest", str(manifest), "--out", str(out),
-                             "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return manifest, out, result
 
 
 def test_generation_manifest_matches_the_shards(built, generated):
