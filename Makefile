@@ -18,10 +18,10 @@ WORK   := $(shell sed -n 's/^work_dir *= *"\(.*\)"/\1/p' $(MANIFEST) 2>/dev/null
 DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 
-.PHONY: setup corpus aux generate-epochs train test test-fast clean help
+.PHONY: setup corpus aux generate-epochs train test test-fast bench-generate clean help
 
 help:
-	@echo "make train | make test | make corpus | make aux | make generate-epochs | make clean"
+	@echo "make train | make test | make corpus | make aux | make generate-epochs | make bench-generate | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -47,6 +47,9 @@ generate-epochs: aux
 train: generate-epochs
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m train --manifest $(MANIFEST) \
 		--data $(DATA_DIR) --out $(RUN_DIR) --resume
+
+bench-generate: generate-epochs
+	$(PY) -m bench.generate --manifest $(MANIFEST) --data $(DATA_DIR)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

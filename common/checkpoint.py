@@ -41,7 +41,8 @@ def save_aux(model: MaskedLM, model_cfg: ModelConfig, num_layers: int, vocab_siz
         torch.save(payload, tmp)
     atomic_write_json(out_dir / AUX_META, {"sha256": sha256_file(path), "vocab_size": vocab_size,
                                            "tokenizer_sha256": tokenizer_sha256, "num_layers": num_layers,
-                                           "hidden_size": model_cfg.hidden_size, "metrics": metrics})
+                                           "hidden_size": model_cfg.hidden_size, "steps": metrics.get("steps"),
+                                           "metrics": metrics})
     return path
 
 
@@ -75,7 +76,7 @@ def load_aux(path: str | Path, map_location="cpu") -> tuple[MaskedLM, dict]:
     payload = torch.load(path, map_location=map_location, weights_only=False)
     model = MaskedLM(ModelConfig(**payload["model_config"]), payload["vocab_size"], payload["num_layers"])
     model.load_state_dict(payload["state_dict"])
-    model.eval().requires_grad_(False)
+    model.to(map_location).eval().requires_grad_(False)
     return model, {**meta, "sha256": digest}
 
 

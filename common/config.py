@@ -180,6 +180,11 @@ class TrainConfig:
             raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
         if self.keep_checkpoints < 1:
             raise ConfigError("train.keep_checkpoints must be >= 1")
+        if min(self.eval_every, self.log_every, self.ckpt_every) < 1:
+            raise ConfigError("train.eval_every, log_every and ckpt_every must be >= 1")
+        if self.ckpt_every % self.log_every:
+            # a resumed run restarts its logging window at the checkpoint; windows must align
+            raise ConfigError(f"train.ckpt_every ({self.ckpt_every}) must be a multiple of log_every ({self.log_every})")
 
 
 @dataclass

@@ -52,8 +52,8 @@ def sample_replacements(logits: torch.Tensor, temperature: torch.Tensor, uniform
     logits: (K, V) aux outputs at masked positions (any float dtype); temperature: (K,);
     uniforms: (K,) in [0, 1), one per position. Inverse-CDF sampling, deterministic.
     """
-    logits = logits.float()
-    logits[:, list(SPECIAL_IDS)] = float("-inf")
+    specials = torch.tensor(SPECIAL_IDS, device=logits.device)
+    logits = logits.float().index_fill(1, specials, float("-inf"))  # a new tensor: the caller's stays intact
     log_p = torch.log_softmax(logits, dim=-1)
     probs = torch.softmax(log_p / temperature.float()[:, None], dim=-1)
     cdf = torch.cumsum(probs, dim=-1)

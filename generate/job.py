@@ -85,7 +85,11 @@ def start_ray(address: str | None, workers: int) -> None:
 def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None) -> list[dict]:
     """Run `tasks` on `workers` actors; returns their records in completion order."""
     start_ray(address, workers)
-    use_gpu = bool(ray.cluster_resources().get("GPU", 0))
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    use_gpu = gpus > 0
+    if use_gpu and workers > gpus:
+        print(f"generate: {workers} workers asked, the cluster has {gpus} GPU(s); using {gpus} GPU actors")
+        workers = gpus
     options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 3, "max_task_retries": 3}
     actors = [ShardActor.options(**options).remote(**actor_args) for _ in range(workers)]
     queue, pending, records = deque(tasks), {}, []

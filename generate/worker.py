@@ -45,20 +45,17 @@ class Corruptor:
         # bf16 autocast for the aux forward on GPU; softmax and sampling stay in fp32.
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
 
-    @torch.no_grad()
-    def __call__(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, temperatures: np.ndarray) -> dict:
-        """Corrupt `rows` (original ids). Returns per-row corrupted ids and labels plus counts:
-        masked positions, replaced positions, aux top-1 hits at masked positions."""
-        n = len(rows)
+    def masked_batches(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int):
+        """Per-row masked positions and uniforms, then length-grouped model inputs:
+        yields (row indices, input ids, attention mask, masked flags) on the device."""
         positions, uniforms = [], []
         for r, rid in zip(rows, row_ids):
             rng = row_rng(self.seed, epoch, int(rid))
             pos = choose_masked_positions(r, self.mask_prob, rng)
             positions.append(pos)
             uniforms.append(rng.random(len(pos)))
-        corrupted = [r.astype(np.int32, copy=True) for r in rows]
-        top1_hits = 0
-        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=n)
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        batches = []
         for batch in length_batches(lengths, self.batch_tokens):
             masked_rows = []
             for i in batch:
@@ -70,12 +67,24 @@ class Corruptor:
             flags = torch.zeros(ids.shape, dtype=torch.bool)
             for j, i in enumerate(batch):
                 flags[j, torch.from_numpy(positions[i])] = True
-            flags = flags.to(self.device)
-            if self.autocast is not None:
-                with self.autocast:
-                    logits = self.model(ids, attn, flags)
-            else:
-                logits = self.model(ids, attn, flags)
+            batches.append((batch, ids, attn, flags.to(self.device)))
+        return positions, uniforms, batches
+
+    def aux_logits(self, ids, attn, flags) -> torch.Tensor:
+        if self.autocast is not None:
+            with self.autocast:
+                return self.model(ids, attn, flags)
+        return self.model(ids, attn, flags)
+
+    @torch.no_grad()
+    def __call__(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, temperatures: np.ndarray) -> dict:
+        """Corrupt `rows` (original ids). Returns per-row corrupted ids and labels plus counts:
+        masked positions, replaced positions, aux top-1 hits at masked positions."""
+        positions, uniforms, batches = self.masked_batches(rows, row_ids, epoch)
+        corrupted = [r.astype(np.int32, copy=True) for r in rows]
+        top1_hits = 0
+        for batch, ids, attn, flags in batches:
+            logits = self.aux_logits(ids, attn, flags)
             counts = [len(positions[i]) for i in batch]
             temps = torch.from_numpy(np.repeat(temperatures[batch].astype(np.float32), counts)).to(self.device)
             u = torch.from_numpy(np.concatenate([uniforms[i] for i in batch])).to(self.device)

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from common.config import dump_toml
 from common.corpus import load_split
 from common.curriculum import temperature_at
 from common.io import sha256_file
@@ -73,3 +74,27 @@ def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path,
     assert "RTD loss" in result.stdout and "recall (replaced tokens)" in result.stdout
     assert (run / "checkpoints" / f"step-{steps:08d}.pt").is_file()
     assert (run / "resolved_manifest.toml").is_file()
+
+
+def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, tmp_path, env_with_repo):
+    """Same global batch split 1x1, 2 ranks x 1, 1 rank x 2 micro-batches: the same losses
+    (dropout off, so the only difference is where the rows are summed)."""
+    import dataclasses
+    _, data, _ = generated
+    losses = {}
+    for nproc, accum in ((1, 1), (2, 1), (1, 2)):
+        config = dataclasses.replace(built, model=dataclasses.replace(built.model, dropout=0.0),
+                                     train=dataclasses.replace(built.train, grad_accum=accum, max_steps=6))
+        manifest = tmp_path / f"m{nproc}{accum}.toml"
+        manifest.write_text(dump_toml(config))
+        run = tmp_path / f"run{nproc}{accum}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_with_repo)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[(nproc, accum)] = [r["loss"] for r in records]
+        assert [r["rows"] for r in records] == [[8 * s, 8 * (s + 1)] for s in range(6)]
+    assert len(losses[(1, 1)]) == 6
+    np.testing.assert_allclose(losses[(2, 1)], losses[(1, 1)], rtol=2e-5)
+    np.testing.assert_allclose(losses[(1, 2)], losses[(1, 1)], rtol=2e-5)

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.io import sha256_file
+from common.io import atomic_path, sha256_file
 from common.shards import SHARD_SCHEMA, int_lists, list_column, read_parquet, write_parquet
 
 
@@ -36,8 +36,13 @@ def test_reading_a_file_of_another_schema_fails(tmp_path):
         read_parquet(path, SHARD_SCHEMA)
 
 
-def test_failed_write_leaves_nothing(tmp_path):
+def test_a_write_that_fails_midway_leaves_nothing(tmp_path):
     path = tmp_path / "shard-00000.parquet"
-    with pytest.raises(Exception):
-        write_parquet(path, {"stream_index": pa.array([1, 2], pa.int64())}, SHARD_SCHEMA)
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(b"PAR1 half a file")
+            raise RuntimeError("disk full")
     assert list(tmp_path.iterdir()) == []
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(b"complete")
+    assert [p.name for p in tmp_path.iterdir()] == [path.name] and path.read_bytes() == b"complete"

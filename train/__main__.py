@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
 from common.config import ConfigError, config_to_dict, load_manifest, save_resolved
+from common.io import atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
 from train.data import DataError, load_data_manifest, rank_slice, to_tensors, training_stream, validation_stream
@@ -42,7 +43,8 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # NCCL for CUDA tensors; gloo also on GPU machines for the few CPU scalars we reduce.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
 
 
@@ -117,7 +119,10 @@ def train(args) -> dict:
         step, history = state["step"], state["history"]
         nonfinite_total, nonfinite_run = state["nonfinite_total"], state["nonfinite_run"]
         if state["world_size"] == world:
-            torch.set_rng_state(state["rng"][rank])
+            cpu_state, cuda_state = state["rng"][rank]
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None and device.type == "cuda":
+                torch.cuda.set_rng_state(cuda_state, device)
         if rank == 0:
             print(f"train: resumed from {path} at step {step}")
     elif ckpt_dir.is_dir() and any(ckpt_dir.iterdir()) and not args.resume:
@@ -131,7 +136,7 @@ def train(args) -> dict:
         save_resolved(config, run_dir)
         kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= step] \
             if metrics_path.is_file() and step else []
-        metrics_path.write_text("".join(l + "\n" for l in kept))  # drop lines past the resumed step
+        atomic_write_text(metrics_path, "".join(l + "\n" for l in kept))  # drop lines past the resumed step
         print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
               f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {tc.grad_accum} accum); "
               f"{dropped_rows} tail rows dropped; data {data_dir}")
@@ -207,11 +212,13 @@ def train(args) -> dict:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         if step % tc.ckpt_every == 0 or step == total_steps:
+            # every rank's dropout stream: CPU generator and, on GPU, the CUDA one
+            own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
             rng_states = [None] * world
             if world > 1:
-                dist.all_gather_object(rng_states, torch.get_rng_state())
+                dist.all_gather_object(rng_states, own)
             else:
-                rng_states = [torch.get_rng_state()]
+                rng_states = [own]
             if is_main:
                 save_checkpoint({
                     "step": step, "rows_consumed": step * tc.batch_size, "model": model.state_dict(),
@@ -239,7 +246,7 @@ def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: 
     summary = {"steps": total_steps, "dropped_tail_rows": dropped_rows, "start": start, "end": end,
                "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
                "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    atomic_write_json(run_dir / "summary.json", summary)
     lines = [
         "",
         f"Fast-ELECTRA run: {total_steps} steps on {device}, {tokens_per_s:.0f} tokens/s (this session)",

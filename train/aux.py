@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common.batching import attention_mask, pad_rows
-from common.checkpoint import AUX_FILE, save_aux
+from common.checkpoint import AUX_FILE, read_aux_meta, save_aux
+from common.io import sha256_file
 from common.config import ConfigError, RunConfig, load_manifest, save_resolved
 from common.corpus import CorpusError, load_corpus_meta, load_split
 from common.curriculum import mask_for_mlm, row_rng
@@ -97,6 +98,18 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> 
     return path
 
 
+def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
+    """True if aux.pt matches its aux.json, the current corpus's tokenizer and the manifest's sizes."""
+    try:
+        meta = read_aux_meta(out_dir / AUX_FILE)
+        corpus = load_corpus_meta(corpus_dir)
+    except (FileNotFoundError, CorpusError):
+        return False
+    return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
+            and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps
+            and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.aux", description="Train the auxiliary MLM.")
     parser.add_argument("--manifest", default="manifests/tiny.toml")
@@ -108,8 +121,8 @@ def main(argv=None) -> int:
         config = load_manifest(args.manifest)
         corpus = Path(args.corpus) if args.corpus else config.corpus_dir
         out = Path(args.out) if args.out else config.aux_dir
-        if (out / AUX_FILE).is_file() and not args.force:
-            print(f"aux: {out / AUX_FILE} exists (use --force to retrain)")
+        if not args.force and aux_is_current(config, corpus, out):
+            print(f"aux: {out / AUX_FILE} is up to date (use --force to retrain)")
             return 0
         torch.set_num_threads(max(1, torch.get_num_threads()))
         train_aux(config, corpus, out)

@@ -29,13 +29,21 @@ class DataError(ValueError):
     """The shards are missing, damaged, or do not fit the trainer's config."""
 
 
+def data_fingerprint(manifest: dict) -> str:
+    """Hash of what the trainer reads: the generation key and every shard's path, rows and sha256
+    (not wall times or device names, which change when a damaged shard is regenerated)."""
+    shards = [(s["path"], s["rows"], s["sha256"]) for e in manifest["epochs"] for s in e["shards"]]
+    shards += [(s["path"], s["rows"], s["sha256"]) for s in manifest["valid"]["shards"]]
+    blob = json.dumps({"generation_key": manifest.get("generation_key"), "shards": shards})
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, str]:
-    """Read manifest.json, check it against the config; returns (manifest, its sha256)."""
+    """Read manifest.json, check it against the config; returns (manifest, its data fingerprint)."""
     path = Path(data_dir) / MANIFEST_FILE
     if not path.is_file():
         raise DataError(f"{path} does not exist: run `make generate-epochs` (an unfinished generation has no manifest)")
-    raw = path.read_bytes()
-    manifest = json.loads(raw)
+    manifest = json.loads(path.read_text())
     if manifest["vocab_size"] != config.tokenizer.vocab_size:
         raise IncompatibleInputs(f"shards in {data_dir} have vocabulary {manifest['vocab_size']} but the manifest "
                                  f"config has tokenizer.vocab_size = {config.tokenizer.vocab_size}")
@@ -45,7 +53,7 @@ def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, s
     schema = [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA]
     if manifest["schema"] != schema:
         raise IncompatibleInputs(f"shards in {data_dir} have schema {manifest['schema']}, the trainer reads {schema}")
-    return manifest, hashlib.sha256(raw).hexdigest()
+    return manifest, data_fingerprint(manifest)
 
 
 @dataclass

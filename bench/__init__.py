@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): each writes bench/results/NAME.json and NAME.md."""
