@@ -30,7 +30,8 @@ from common.config import ConfigError, config_to_dict, load_manifest, save_resol
 from common.io import atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
-from train.data import DataError, load_data_manifest, rank_slice, to_tensors, training_stream, validation_stream
+from train.data import (DataError, load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream,
+                        validation_stream)
 from train.metrics import rtd_metrics
 
 
@@ -99,7 +100,13 @@ def train(args) -> dict:
 
     torch.manual_seed(tc.seed)  # same initial weights on every rank
     model = ReplacedTokenDetector(config.model, manifest["vocab_size"]).to(device)
-    optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale)
+    # Start the RTD head at the data's base rate instead of 50/50 ("init well"): step 0 then
+    # scores as the majority baseline, and no updates are spent learning the prior.
+    base_rate = replaced_rate(manifest)
+    with torch.no_grad():
+        model.head.out.bias.fill_(math.log(base_rate / (1 - base_rate)))
+    optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
+                                tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, tc.warmup_steps, total_steps)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     torch.manual_seed(tc.seed + 1000 + rank)  # dropout stream of this rank

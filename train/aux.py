@@ -67,7 +67,7 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> 
     torch.manual_seed(config.seed)
     model = MaskedLM(config.model, tok.vocab_size, cfg.num_layers)
     optimizer = build_optimizer(model, cfg.lr, config.train.betas, config.train.eps, config.train.weight_decay,
-                                config.train.rel_bias_lr_scale)
+                                config.train.rel_bias_lr_scale)  # no embed_lr_scale: the MLM output is tied to it
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.steps)
     log(f"aux: {count_parameters(model) / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
         f"{cfg.steps} steps x {cfg.batch_size} rows, lr {cfg.lr}")

@@ -29,6 +29,13 @@ class DataError(ValueError):
     """The shards are missing, damaged, or do not fit the trainer's config."""
 
 
+def replaced_rate(manifest: dict) -> float:
+    """Fraction of training tokens labelled replaced, from the manifest's per-epoch counts."""
+    replaced = sum(e["replaced_fraction"] * e["masked_positions"] for e in manifest["epochs"])
+    tokens = sum(e["tokens"] for e in manifest["epochs"])
+    return min(max(replaced / max(tokens, 1), 1e-4), 1 - 1e-4)
+
+
 def data_fingerprint(manifest: dict) -> str:
     """Hash of what the trainer reads: the generation key and every shard's path, rows and sha256
     (not wall times or device names, which change when a damaged shard is regenerated)."""
