@@ -276,11 +276,6 @@ def config_to_dict(config: RunConfig) -> dict:
     return dataclasses.asdict(config)
 
 
-def config_hash(config: RunConfig) -> str:
-    import hashlib
-    return hashlib.sha256(json.dumps(config_to_dict(config), sort_keys=True).encode()).hexdigest()
-
-
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
