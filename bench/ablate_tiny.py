@@ -9,7 +9,6 @@ backs the figures in README "Design notes"; not a test, not part of `make train`
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch
@@ -38,9 +37,7 @@ def main(argv=None) -> None:
     torch.manual_seed(tc.seed)
     model = ReplacedTokenDetector(config.model, manifest["vocab_size"])
     if args.prior_init:
-        p = replaced_rate(manifest)
-        with torch.no_grad():
-            model.head.out.bias.fill_(math.log(p / (1 - p)))
+        model.head.start_at_base_rate(replaced_rate(manifest))
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, args.rel_bias_lr_scale,
                                 args.embed_lr_scale)
     scheduler = build_scheduler(optimizer, tc.warmup_steps, args.steps)

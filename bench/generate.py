@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import shutil
@@ -73,7 +74,6 @@ def worker_scaling(config, corpus_dir: Path, aux_path: Path, rows_per_epoch: int
     g = config.generate.__class__(**{**config.generate.__dict__, "epochs": 1, "rows_per_epoch": rows_per_epoch,
                                      "valid_rows": 0})
     tasks = plan_tasks(meta["train"]["rows"], 0, g, config.seed)
-    tokens = None
     out = {}
     start_ray(None, 2)
     args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()), "seed": config.seed,
@@ -104,7 +104,7 @@ def replicate_corpus(corpus_dir: Path, out_dir: Path, times: int) -> Path:
     shutil.copytree(corpus_dir, out_dir)
     meta = json.loads((out_dir / "corpus.json").read_text())
     parts = meta["train"]["parts"]
-    meta["train"]["parts"] = [{**p, "path": p["path"]} for _ in range(times) for p in parts]
+    meta["train"]["parts"] = parts * times  # the same part files, read `times` times
     meta["train"]["rows"] *= times
     meta["train"]["tokens"] *= times
     (out_dir / "corpus.json").write_text(json.dumps(meta))
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         **{f"single_worker_{k}": v for k, v in speed.items()},
         **{f"ray_{k}": v for k, v in scaling.items()},
         "device": "cpu", "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__, "manifest": args.manifest,
+        "cpu_count": os.cpu_count(), "torch": torch.__version__, "manifest": args.manifest,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(RESULTS / "generate.json", result)

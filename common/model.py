@@ -124,6 +124,12 @@ class RTDHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.out(F.gelu(self.dense(hidden))).squeeze(-1)
 
+    @torch.no_grad()
+    def start_at_base_rate(self, rate: float) -> None:
+        """Output bias = logit(rate): at initialisation every token scores the data's replaced
+        fraction, so step 0 is the majority baseline and no updates go to learning the prior."""
+        self.out.bias.fill_(math.log(rate / (1 - rate)))
+
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
     """BERT initialisation: N(0, 0.02) for matrices, zeros for biases, ones for LayerNorm."""

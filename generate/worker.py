@@ -46,8 +46,8 @@ class Corruptor:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
 
     def masked_batches(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int):
-        """Per-row masked positions and uniforms, then length-grouped model inputs:
-        yields (row indices, input ids, attention mask, masked flags) on the device."""
+        """Per-row masked positions and uniforms, and the length-grouped model inputs as a list of
+        (row indices, input ids, attention mask, masked flags) on the device."""
         positions, uniforms = [], []
         for r, rid in zip(rows, row_ids):
             rng = row_rng(self.seed, epoch, int(rid))

@@ -27,7 +27,7 @@ def test_generation_manifest_matches_the_shards(built, generated):
     assert manifest["schema"] == [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA]
     next_index = 0
     for epoch in manifest["epochs"]:
-        replaced = masked_positions = 0
+        replaced = 0
         for shard in epoch["shards"]:
             path = out / shard["path"]
             assert path.stat().st_size == shard["bytes"] and sha256_file(path) == shard["sha256"]

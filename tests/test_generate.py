@@ -4,7 +4,6 @@ import json
 import numpy as np
 import pytest
 import ray
-import torch
 
 from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs
 from common.config import GenerateConfig

@@ -100,11 +100,7 @@ def train(args) -> dict:
 
     torch.manual_seed(tc.seed)  # same initial weights on every rank
     model = ReplacedTokenDetector(config.model, manifest["vocab_size"]).to(device)
-    # Start the RTD head at the data's base rate instead of 50/50 ("init well"): step 0 then
-    # scores as the majority baseline, and no updates are spent learning the prior.
-    base_rate = replaced_rate(manifest)
-    with torch.no_grad():
-        model.head.out.bias.fill_(math.log(base_rate / (1 - base_rate)))
+    model.head.start_at_base_rate(replaced_rate(manifest))  # "init well": step 0 = majority baseline
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                 tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, tc.warmup_steps, total_steps)

@@ -26,7 +26,7 @@ from common.corpus import CorpusError, load_corpus_meta, load_split
 from common.curriculum import mask_for_mlm, row_rng
 from common.model import MaskedLM, count_parameters
 from common.optim import build_optimizer, build_scheduler
-from common.tokenizer import PAD_ID, Tokenizer
+from common.tokenizer import Tokenizer
 
 
 def mlm_batch(rows: list[np.ndarray], mask_prob: float, seed: int, step: int, row_ids) -> tuple:
