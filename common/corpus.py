@@ -6,6 +6,8 @@ Output folder (published atomically: built under a temporary name, renamed at th
     tokenizer.model, tokenizer.json     SentencePiece BPE model and its sha256
     train/part-00000.parquet ...        CORPUS_SCHEMA rows, documents in order
     valid/part-00000.parquet            rows of the held-out documents
+    train.tokens.npy, train.offsets.npy the same rows flat, for memory-mapped random access
+    valid.tokens.npy, valid.offsets.npy (the generator's actors read rows without loading the corpus)
     corpus.json                         counts, document names, hashes (written last)
     resolved_manifest.toml
 Paper appendix A: sequences respect document boundaries; special tokens are fixed.
@@ -23,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from common.config import ConfigError, RunConfig, config_to_dict, dump_toml, load_manifest
-from common.io import atomic_write_json, atomic_write_text
+from common.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, int_lists, list_column, read_parquet, write_parquet
 from common.sources import CorpusError, Document, paragraphs, read_source
 from common.tokenizer import CLS_ID, SEP_ID, Tokenizer, train_tokenizer
@@ -76,7 +78,47 @@ def _write_split(out: Path, split: str, rows: list[tuple[int, list[int]]], rows_
         path = out / split / f"part-{part:05d}.parquet"
         info = write_parquet(path, columns, CORPUS_SCHEMA)
         parts.append({"path": f"{split}/{path.name}", "rows": len(chunk), **info})
-    return {"rows": len(rows), "tokens": int(sum(len(ids) for _, ids in rows)), "parts": parts}
+    flat = _write_flat(out, split, [ids for _, ids in rows])
+    return {"rows": len(rows), "tokens": int(sum(len(ids) for _, ids in rows)), "parts": parts, "flat": flat}
+
+
+def _write_flat(out: Path, split: str, rows: list[list[int]]) -> dict:
+    """All rows of a split as one int32 token array plus int64 row offsets (.npy, memory-mappable)."""
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    tokens = np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
+    files = {}
+    for kind, array in (("tokens", tokens), ("offsets", offsets)):
+        path = out / f"{split}.{kind}.npy"
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, array)
+        files[kind] = {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return files
+
+
+class SplitRows:
+    """Rows of one split, memory-mapped: `rows[i]` is row_id i as an int32 array, read on demand.
+    Memory stays flat in corpus size (only touched pages are read); sizes are checked on open."""
+
+    def __init__(self, corpus_dir: str | Path, split: str):
+        meta = load_corpus_meta(corpus_dir)[split]
+        arrays = {}
+        for kind in ("tokens", "offsets"):
+            record = meta["flat"][kind]
+            path = Path(corpus_dir) / record["path"]
+            if not path.is_file() or path.stat().st_size != record["bytes"]:
+                raise CorpusError(f"{path} is missing or has another size than corpus.json says; rebuild the corpus")
+            arrays[kind] = np.load(path, mmap_mode="r")
+        self.tokens, self.offsets = arrays["tokens"], arrays["offsets"]
+        if len(self.offsets) != meta["rows"] + 1:
+            raise CorpusError(f"{corpus_dir}: {split} offsets hold {len(self.offsets) - 1} rows, corpus.json says {meta['rows']}")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array(self.tokens[self.offsets[i]:self.offsets[i + 1]])  # a copy, never a view of the map
 
 
 def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = None, log=print) -> Path:
@@ -146,7 +188,7 @@ def corpus_is_current(config: RunConfig, corpus_dir: Path, source: str) -> bool:
         return False
     want = {"corpus": config_to_dict(config)["corpus"], "tokenizer": config_to_dict(config)["tokenizer"],
             "seed": config.seed}
-    return meta["config"] == want and meta["source"] == source
+    return meta.get("format_version") == FORMAT_VERSION and meta["config"] == want and meta["source"] == source
 
 
 def main(argv=None) -> int:

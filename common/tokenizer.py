@@ -1,15 +1,24 @@
-"""SentencePiece BPE tokenizer: cased, byte fallback, fixed special ids.
+"""SentencePiece BPE tokenizer: cased, byte fallback, fixed special ids, ids in frequency order.
 
 Paper section 4.1: "a cased sentence piece BPE vocabulary of 128K tokens"; the
 tiny preset uses 8K. The special tokens have fixed ids so every stage agrees.
+
+Our ids are SentencePiece's pieces renumbered by frequency in the tokenizer's
+training sample (specials 0-4 first, then the most frequent piece, ...). The
+model does not care about the numbering, but the shards do: with frequent tokens
+on small ids the high bytes of the int32 column are mostly zero, and Parquet's
+BYTE_STREAM_SPLIT + zstd store a token in about 1.4 bytes instead of 2.0
+(measured on the tiny corpus, see bench/results/generate.md).
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import sentencepiece as spm
 
 from common.io import atomic_write_json, atomic_path, sha256_file
@@ -21,9 +30,25 @@ MODEL_FILE = "tokenizer.model"
 META_FILE = "tokenizer.json"
 
 
+def frequency_order(counts: np.ndarray) -> np.ndarray:
+    """SentencePiece id of each of our ids: specials keep 0-4, the rest by descending count
+    (ties by SentencePiece id, so the order is deterministic)."""
+    keys = counts.astype(np.float64).copy()
+    keys[list(SPECIAL_IDS)] = np.inf
+    order = np.argsort(-keys, kind="stable")
+    assert order[:len(SPECIAL_IDS)].tolist() == list(SPECIAL_IDS)
+    return order
+
+
+def tokenizer_sha256(model_sha256: str, sp_of: list[int]) -> str:
+    """Identity of the tokenizer: the SentencePiece model and our id order."""
+    return hashlib.sha256(json.dumps({"model": model_sha256, "order": sp_of}).encode()).hexdigest()
+
+
 def train_tokenizer(lines: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
-    """Train a BPE model on `lines`; writes tokenizer.model and tokenizer.json (sha256, vocab)."""
+    """Train a BPE model on `lines`; writes tokenizer.model and tokenizer.json (sha256, vocab, id order)."""
     out_dir = Path(out_dir)
+    lines = list(lines)
     buffer = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
@@ -44,39 +69,54 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int, out_dir: str | Path) 
     model_path = out_dir / MODEL_FILE
     with atomic_path(model_path) as tmp:
         tmp.write_bytes(buffer.getvalue())
-    tok = Tokenizer(model_path, check_meta=False)
-    atomic_write_json(out_dir / META_FILE, {"vocab_size": tok.vocab_size, "sha256": sha256_file(model_path),
-                                            "special": dict(zip(SPECIAL_PIECES, SPECIAL_IDS))})
+    sp = spm.SentencePieceProcessor(model_file=str(model_path))
+    counts = np.zeros(sp.get_piece_size(), dtype=np.int64)
+    for ids in sp.encode(lines):
+        counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=counts.size)
+    sp_of = frequency_order(counts).tolist()
+    model_sha = sha256_file(model_path)
+    atomic_write_json(out_dir / META_FILE, {"vocab_size": sp.get_piece_size(), "model_sha256": model_sha,
+                                            "sha256": tokenizer_sha256(model_sha, sp_of),
+                                            "special": dict(zip(SPECIAL_PIECES, SPECIAL_IDS)), "sp_id_of": sp_of})
     return model_path
 
 
 class Tokenizer:
-    """Thin wrapper over a SentencePiece model with the project's fixed special ids."""
+    """Thin wrapper over a SentencePiece model with the project's fixed special ids and frequency order."""
 
-    def __init__(self, model_path: str | Path, check_meta: bool = True):
+    def __init__(self, model_path: str | Path):
         self.path = Path(model_path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer model {self.path} does not exist (run `make corpus`)")
+        meta_path = self.path.with_name(META_FILE)
+        if not self.path.is_file() or not meta_path.is_file():
+            raise FileNotFoundError(f"tokenizer {self.path} or its {META_FILE} does not exist (run `make corpus`)")
         self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        meta = json.loads(meta_path.read_text())
+        model_sha = sha256_file(self.path)
+        if meta.get("model_sha256") != model_sha or "sp_id_of" not in meta:
+            raise ValueError(f"tokenizer {self.path} has sha256 {model_sha[:12]}, its {META_FILE} says "
+                             f"{str(meta.get('model_sha256'))[:12]} (rebuild it with `make corpus`)")
+        self.sp_of = np.asarray(meta["sp_id_of"], dtype=np.int64)          # our id -> SentencePiece id
+        self.ours_of = np.empty_like(self.sp_of)
+        self.ours_of[self.sp_of] = np.arange(self.sp_of.size)               # SentencePiece id -> our id
+        self.sha256 = tokenizer_sha256(model_sha, meta["sp_id_of"])
+        if meta["sha256"] != self.sha256 or self.sp_of.size != self.sp.get_piece_size():
+            raise ValueError(f"tokenizer {self.path}: {META_FILE} does not match the model")
         for piece, idx in zip(SPECIAL_PIECES, SPECIAL_IDS):
-            if self.sp.id_to_piece(idx) != piece:
-                raise ValueError(f"tokenizer {self.path}: id {idx} is {self.sp.id_to_piece(idx)!r}, expected {piece!r}")
-        self.sha256 = sha256_file(self.path)
-        meta = self.path.with_name(META_FILE)
-        if check_meta and meta.is_file():
-            recorded = json.loads(meta.read_text())["sha256"]
-            if recorded != self.sha256:
-                raise ValueError(f"tokenizer {self.path} has sha256 {self.sha256[:12]}, its {META_FILE} says {recorded[:12]}")
+            if self.sp.id_to_piece(int(self.sp_of[idx])) != piece:
+                raise ValueError(f"tokenizer {self.path}: id {idx} is not {piece!r}")
 
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
+    def piece(self, idx: int) -> str:
+        return self.sp.id_to_piece(int(self.sp_of[idx]))
+
     def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
+        return self.ours_of[np.asarray(self.sp.encode(text), dtype=np.int64)].tolist()
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.encode(texts)
+        return [self.ours_of[np.asarray(ids, dtype=np.int64)].tolist() for ids in self.sp.encode(texts)]
 
     def decode(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
+        return self.sp.decode(self.sp_of[np.asarray(ids, dtype=np.int64)].tolist())

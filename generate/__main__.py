@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
 from common.config import ConfigError, RunConfig, config_to_dict, load_manifest, save_resolved
-from common.corpus import load_corpus_meta
+from common.corpus import SplitRows, load_corpus_meta
 from common.io import atomic_write_json, remove_stale_tmp, sha256_file
 from common.shards import FORMAT_VERSION, SHARD_SCHEMA
 from common.sources import CorpusError
@@ -50,6 +50,8 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     if corpus["train"]["rows"] == 0 or corpus["valid"]["rows"] == 0:
         raise CorpusError(f"corpus {corpus_dir} is empty (train {corpus['train']['rows']} rows, "
                           f"valid {corpus['valid']['rows']} rows)")
+    for split in ("train", "valid"):
+        SplitRows(corpus_dir, split)  # the memory-mapped rows the actors read: present, right size
     aux = read_aux_meta(aux_path)
     check_aux_matches_tokenizer(aux, aux_path, corpus["vocab_size"], corpus["tokenizer_sha256"],
                                 corpus_dir / "tokenizer.model")
@@ -131,7 +133,7 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     t0 = time.time()
     actor_args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()),
                   "out_dir": str(out_dir.resolve()), "seed": config.seed, "mask_prob": config.generate.mask_prob,
-                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker}
+                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker, "zstd_level": config.generate.zstd_level}
     records = run_tasks(todo, workers, actor_args, out_dir, address) if todo else []
     seconds = time.time() - t0
     all_records = list(done.values()) + records

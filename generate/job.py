@@ -1,6 +1,6 @@
 """The Ray side of the generator: one actor per device, a driver loop over shard tasks.
 
-Each actor loads the aux model and the corpus once (`__init__`) and then turns
+Each actor loads the aux model once and memory-maps the corpus (`__init__`) and then turns
 tasks into shard files. The driver hands tasks to idle actors, records every
 finished shard in `progress.jsonl` (so a killed run resumes where it stopped),
 and shows a tqdm bar with tokens/s and ETA. An actor whose process dies is
@@ -30,14 +30,14 @@ SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard,
 @ray.remote
 class ShardActor:
     def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
-                 batch_tokens: int, threads: int):
-        from common.corpus import load_split
+                 batch_tokens: int, threads: int, zstd_level: int):
+        from common.corpus import SplitRows
         from generate.worker import Corruptor, ShardWriter
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device)
-        rows = {split: load_split(corpus_dir, split) for split in ("train", "valid")}
-        self.writer = ShardWriter(rows, corruptor, out_dir)
+        rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # memory-mapped
+        self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level)
         self.device = device
 
     def run(self, task: ShardTask) -> dict:

@@ -18,7 +18,7 @@ import torch
 from common.batching import attention_mask, length_batches, pad_rows
 from common.checkpoint import load_aux
 from common.curriculum import choose_masked_positions, row_rng, rtd_labels, sample_replacements
-from common.shards import SHARD_SCHEMA, int_lists, write_parquet
+from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
 from common.tokenizer import MASK_ID
 
 
@@ -106,12 +106,14 @@ class Corruptor:
 
 
 class ShardWriter:
-    """Holds the corpus rows and a Corruptor; turns a ShardTask into a Parquet file."""
+    """Holds the corpus rows (anything indexable by row id: a list, or the memory-mapped
+    `common.corpus.SplitRows`) and a Corruptor; turns a ShardTask into a Parquet file."""
 
-    def __init__(self, corpus_rows: dict[str, list[np.ndarray]], corruptor: Corruptor, out_dir: str | Path):
+    def __init__(self, corpus_rows: dict, corruptor: Corruptor, out_dir: str | Path, zstd_level: int = 19):
         self.rows = corpus_rows
         self.corruptor = corruptor
         self.out_dir = Path(out_dir)
+        self.zstd_level = zstd_level
 
     def __call__(self, task: ShardTask) -> dict:
         t0 = time.time()
@@ -124,9 +126,9 @@ class ShardWriter:
             "row_id": pa.array(np.asarray(task.row_ids, dtype=np.int64)),
             "temperature": pa.array(task.temperatures.astype(np.float32)),
             "input_ids": int_lists(out["input_ids"], pa.int32()),
-            "labels": int_lists(out["labels"], pa.int8()),
+            "labels": int_lists(out["labels"], pa.bool_()),
         }
-        info = write_parquet(self.out_dir / task.path, columns, SHARD_SCHEMA)
+        info = write_parquet(self.out_dir / task.path, columns, SHARD_SCHEMA, SHARD_ENCODING, self.zstd_level)
         tokens = int(sum(len(r) for r in rows))
         return {
             "path": task.path, "epoch": task.epoch, "shard_index": task.shard_index,

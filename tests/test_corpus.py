@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from common.corpus import build_corpus, load_split, pack_document
+from common.corpus import SplitRows, build_corpus, load_split, pack_document
 from common.shards import CORPUS_SCHEMA, read_parquet
 from common.sources import CorpusError, Document, deduplicate, read_jsonl, strip_gutenberg
 from common.tokenizer import CLS_ID, SEP_ID, Tokenizer
@@ -44,13 +44,18 @@ def test_build_corpus_rows_stay_inside_their_document(tmp_path):
     meta = json.loads((config.corpus_dir / "corpus.json").read_text())
     tok = Tokenizer(config.corpus_dir / "tokenizer.model")
     assert tok.vocab_size == 320 and meta["tokenizer_sha256"] == tok.sha256
-    assert [tok.sp.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert [tok.piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    # ids after the specials are in frequency order: the train rows count down
+    counts = np.bincount(np.concatenate(load_split(config.corpus_dir, "train")), minlength=tok.vocab_size)[5:]
+    assert counts[:20].tolist() == sorted(counts[:20].tolist(), reverse=True) and counts[0] > counts[-1]
     docs = {d["doc_id"]: d for d in meta["documents"]}
     assert {d["split"] for d in docs.values()} == {"train", "valid"}
     for split in ("train", "valid"):
         table = read_parquet(config.corpus_dir / meta[split]["parts"][0]["path"], CORPUS_SCHEMA)
         assert table.schema.equals(CORPUS_SCHEMA, check_metadata=False)
         rows = load_split(config.corpus_dir, split)
+        mapped = SplitRows(config.corpus_dir, split)  # what the generator's actors read
+        assert len(mapped) == len(rows) and all(np.array_equal(mapped[i], r) for i, r in enumerate(rows))
         doc_ids = np.concatenate([read_parquet(config.corpus_dir / p["path"], CORPUS_SCHEMA).column("doc_id").to_numpy()
                                   for p in meta[split]["parts"]])
         raw = {i: " ".join((tmp_path / "raw" / docs[i]["name"]).read_text().split()) for i in set(doc_ids.tolist())}
