@@ -1,15 +1,19 @@
 """Exact resume: a run killed with SIGKILL and resumed logs the same per-step losses and
-row ranges as an uninterrupted run, bitwise on CPU (DESIGN.md, trainer contract)."""
+row ranges as an uninterrupted run, bitwise on CPU (DESIGN.md, trainer contract); also
+when killed right at an epoch boundary, and for a 2-node torchrun on loopback."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from tests.conftest import ROOT
+from train.__main__ import KILL_AT_STEP_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +39,7 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(generated, tmp_path
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 6):
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # wherever it is: mid-step, mid-checkpoint, mid-log
     proc.wait()
     steps_before = len(metrics.read_text().splitlines())
     assert steps_before < len(_losses(full))  # it really stopped early
@@ -44,6 +48,77 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(generated, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout
     assert _losses(killed) == _losses(full)  # exact float equality, same rows
+
+
+@pytest.fixture(scope="module")
+def boundary_setup(generated, tmp_path_factory):
+    """A manifest whose checkpoints fall on the epoch boundary, and its uninterrupted run."""
+    manifest, data, _ = generated
+    per_epoch = json.loads((data / "manifest.json").read_text())["rows_per_epoch"]
+    values = config_to_dict(load_manifest(manifest))
+    batch = values["train"]["batch_size"]
+    boundary_step = per_epoch // batch  # the last step whose rows all belong to epoch 0
+    values["train"].update({"ckpt_every": boundary_step, "eval_every": boundary_step})
+    folder = tmp_path_factory.mktemp("boundary")
+    path = folder / "boundary.toml"
+    path.write_text(dump_toml(config_from_dict(values)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    subprocess.run(_train_cmd(path, data, folder / "full"), cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    return path, data, folder / "full", boundary_step, batch, per_epoch
+
+
+@pytest.mark.parametrize("after", [0, 1])
+def test_killed_at_the_epoch_boundary_resumes_exactly(boundary_setup, tmp_path, env_with_repo, after):
+    manifest, data, full, boundary_step, batch, per_epoch = boundary_setup
+    kill_step = boundary_step + after  # right at the boundary, and the first step past it
+    run = tmp_path / "run"
+    killed = subprocess.run(_train_cmd(manifest, data, run), cwd=ROOT, env={**env_with_repo, KILL_AT_STEP_ENV: str(kill_step)},
+                            capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    logged = _losses(run)
+    assert logged[-1][0] == kill_step and logged[-1][2][1] == kill_step * batch
+    assert (run / "checkpoints" / f"step-{boundary_step:08d}.pt").is_file()  # rows [0, boundary) all consumed
+    assert boundary_step * batch <= per_epoch < (boundary_step + 1) * batch
+    result = subprocess.run(_train_cmd(manifest, data, run, resume=True), cwd=ROOT, env=env_with_repo,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints'}/step-{boundary_step:08d}.pt at step {boundary_step}" in result.stdout
+    assert _losses(run) == _losses(full)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(manifest, data, run, env, resume=False):
+    """`torchrun --nnodes 2` twice on this machine (node ranks 0 and 1, loopback rendezvous)."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
+                              + (["--resume"] if resume else []),
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    return [p.returncode for p in procs], outputs[0]
+
+
+def test_two_nodes_on_loopback_train_and_resume(boundary_setup, tmp_path, env_with_repo):
+    manifest, data, _, boundary_step, _, _ = boundary_setup
+    reference = tmp_path / "standalone"  # one node, two ranks: the same world
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
+                    "--manifest", str(manifest), "--data", str(data), "--out", str(reference)],
+                   cwd=ROOT, env=env_with_repo, check=True, capture_output=True, timeout=300)
+    run = tmp_path / "two-nodes"
+    codes, _ = _two_nodes(manifest, data, run, {**env_with_repo, KILL_AT_STEP_ENV: str(boundary_step + 1)})
+    assert all(c != 0 for c in codes)  # both nodes went down at step boundary_step + 1
+    assert _losses(run)[-1][0] == boundary_step + 1
+    codes, out = _two_nodes(manifest, data, run, env_with_repo, resume=True)
+    assert codes == [0, 0], out[-3000:]
+    assert f"at step {boundary_step}" in out
+    assert _losses(run) == _losses(reference)
 
 
 def test_existing_run_without_resume_is_refused(generated, tmp_path, env_with_repo):

@@ -16,8 +16,10 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,6 +35,10 @@ from common.optim import build_optimizer, build_scheduler
 from train.data import (DataError, load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream,
                         validation_stream)
 from train.metrics import rtd_metrics
+from train.plots import plot_curves
+
+# Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception).
+KILL_AT_STEP_ENV = "FAST_ELECTRA_TEST_KILL_AT_STEP"
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -148,11 +154,19 @@ def train(args) -> dict:
     if world > 1:
         dist.barrier()
 
+    def read_step(s: int) -> dict:
+        """This rank's rows of step `s` (pure reading: the same rows whenever it runs)."""
+        return stream.rows(*rank_slice(s, tc.batch_size, rank, world)) if s < total_steps else {}
+
+    # One reader thread fetches step s+1 while the model works on step s.
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
+    next_rows = reader.submit(read_step, step)
+    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0"))
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps = time.time(), 0, [math.inf, -math.inf]
     while step < total_steps:
-        start, stop = rank_slice(step, tc.batch_size, rank, world)
-        rows = stream.rows(start, stop)
+        rows = next_rows.result()
+        next_rows = reader.submit(read_step, step + 1)
         neg_t_min, t_max = all_reduce([-float(rows["temperature"].min()), float(rows["temperature"].max())],
                                       world, dist.ReduceOp.MAX if world > 1 else None)
         temps = [min(temps[0], -neg_t_min), max(temps[1], t_max)]
@@ -214,6 +228,8 @@ def train(args) -> dict:
         if is_main and record:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            if "val_loss" in record:
+                plot_curves(run_dir)
         if step % tc.ckpt_every == 0 or step == total_steps:
             # every rank's dropout stream: CPU generator and, on GPU, the CUDA one
             own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
@@ -230,7 +246,10 @@ def train(args) -> dict:
                     "data_manifest_sha256": manifest_hash, "history": history,
                     "nonfinite_total": nonfinite_total, "nonfinite_run": nonfinite_run,
                 }, ckpt_dir, tc.keep_checkpoints)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
+    reader.shutdown()
     elapsed = time.time() - t_start
     summary = {}
     if is_main:
@@ -246,6 +265,7 @@ def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: 
                   tokens_per_s: float, nonfinite: int, device) -> dict:
     start, end = history["start"], history.get("last", history["start"])
     consumed = history.get("temperature_consumed", [math.nan, math.nan])
+    plot_curves(run_dir)
     summary = {"steps": total_steps, "dropped_tail_rows": dropped_rows, "start": start, "end": end,
                "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
                "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir)}
@@ -260,7 +280,7 @@ def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: 
         f"    precision (replaced tokens)       {start['precision']:>11.4f}   {end['precision']:>11.4f}",
         f"    AUC                               {start['auc']:>11.4f}   {end['auc']:>11.4f}",
         f"  temperatures consumed: {consumed[0]:.4f} .. {consumed[1]:.4f}",
-        f"  outputs: {run_dir}/metrics.jsonl, {run_dir}/checkpoints/, {run_dir}/summary.json",
+        f"  outputs: {run_dir}/metrics.jsonl, curves.png, summary.json, checkpoints/",
     ]
     print("\n".join(lines))
     return summary

@@ -1,0 +1,84 @@
+"""Non-finite losses (DESIGN.md trainer contract, issue: "a non-finite loss skips the step and
+is counted; K in a row stop the run with the step, the rows and the last good checkpoint named").
+
+The real trainer runs in-process on real shards; the only change is a detector whose
+training-time output is NaN at chosen steps, the way an overflow would surface."""
+import argparse
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import train.__main__ as trainer
+from common.checkpoint import latest_checkpoint
+from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
+from common.model import ReplacedTokenDetector
+
+pytestmark = pytest.mark.slow
+
+
+def _poisoning(poisoned_steps):
+    """A ReplacedTokenDetector whose training forward returns NaN at the given (0-based) steps."""
+    class Poisoned(ReplacedTokenDetector):
+        calls = 0
+        initial_state = None
+
+        def forward(self, input_ids, attention_mask):
+            out = super().forward(input_ids, attention_mask)
+            if self.training:  # evaluation stays clean
+                if Poisoned.calls == 0:
+                    Poisoned.initial_state = copy.deepcopy(self.state_dict())
+                step = Poisoned.calls  # grad_accum = 1: one training forward per step
+                Poisoned.calls += 1
+                if poisoned_steps(step):
+                    out = out * float("nan")
+            return out
+    return Poisoned
+
+
+def _run(generated, tmp_path, monkeypatch, poisoned_steps, **train):
+    manifest, data, _ = generated
+    values = config_to_dict(load_manifest(manifest))
+    values["train"].update({"max_steps": 8, "ckpt_every": 4, "eval_every": 4, **train})
+    path = tmp_path / "m.toml"
+    path.write_text(dump_toml(config_from_dict(values)))
+    model_class = _poisoning(poisoned_steps)
+    monkeypatch.setattr(trainer, "ReplacedTokenDetector", model_class)
+    torch.set_num_threads(1)
+    args = argparse.Namespace(manifest=str(path), data=str(data), out=str(tmp_path / "run"), resume=False)
+    return args, model_class
+
+
+def _records(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_nonfinite_loss_skips_the_step_and_is_counted(generated, tmp_path, monkeypatch):
+    args, _ = _run(generated, tmp_path, monkeypatch, lambda s: s == 2)
+    summary = trainer.train(args)
+    records = {r["step"]: r for r in _records(tmp_path)}
+    assert math.isnan(records[3]["loss"]) and math.isnan(records[3]["grad_norm"])  # step index 2 = logged step 3
+    assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5, 6, 7, 8))
+    assert records[2]["nonfinite_steps"] == 0 and records[8]["nonfinite_steps"] == 1
+    assert summary["nonfinite_steps"] == 1 and summary["steps"] == 8
+
+
+def test_skipped_steps_leave_the_weights_untouched(generated, tmp_path, monkeypatch):
+    args, model_class = _run(generated, tmp_path, monkeypatch, lambda s: True, max_steps=4, max_nonfinite_steps=100)
+    trainer.train(args)
+    _, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert state["step"] == 4 and state["nonfinite_total"] == 4
+    assert state["model"].keys() == model_class.initial_state.keys()
+    assert all(torch.equal(state["model"][k], v) for k, v in model_class.initial_state.items())
+
+
+def test_k_nonfinite_losses_in_a_row_stop_the_run_naming_step_rows_and_checkpoint(generated, tmp_path, monkeypatch):
+    args, _ = _run(generated, tmp_path, monkeypatch, lambda s: s >= 4, max_nonfinite_steps=3)
+    with pytest.raises(FloatingPointError) as error:
+        trainer.train(args)
+    message = str(error.value)
+    assert "3 non-finite losses in a row, last at step 6" in message
+    assert "stream rows 48..55" in message  # batch 8: step 6 reads rows 48..55
+    assert message.endswith("step-00000004.pt")  # the last good checkpoint, written after step 4
