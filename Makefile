@@ -8,6 +8,7 @@ RUN      ?=
 NPROC    ?= 1
 WORKERS  ?=
 CORPUS   ?=
+SWEEP    ?=
 PYTEST_ARGS ?=
 
 VENV   := .venv
@@ -17,12 +18,14 @@ STAMP  := $(VENV)/.installed
 WORK   := $(shell sed -n 's/^work_dir *= *"\(.*\)"/\1/p' $(MANIFEST) 2>/dev/null)
 DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
+SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train test test-fast bench-generate clean help
+.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-flops clean help
 
 help:
-	@echo "make train | make test | make corpus | make aux | make generate-epochs | make bench-generate | make clean"
-	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS)"
+	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep"
+	@echo "make bench-generate | make bench-train | make bench-flops | make clean"
+	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
 $(STAMP): pyproject.toml
@@ -48,8 +51,21 @@ train: generate-epochs
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m train --manifest $(MANIFEST) \
 		--data $(DATA_DIR) --out $(RUN_DIR) --resume
 
+# Only reads the shards: if $(DATA_DIR)/manifest.json exists the generator is not run at all.
+sweep: setup $(DATA_DIR)/manifest.json
+	$(PY) -m train.sweep --manifest $(MANIFEST) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC)
+
+$(DATA_DIR)/manifest.json:
+	$(MAKE) generate-epochs MANIFEST=$(MANIFEST) DATA=$(DATA_DIR)
+
 bench-generate: generate-epochs
 	$(PY) -m bench.generate --manifest $(MANIFEST) --data $(DATA_DIR)
+
+bench-train: generate-epochs
+	$(PY) -m bench.train --manifest $(MANIFEST) --data $(DATA_DIR)
+
+bench-flops: setup
+	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
