@@ -1,0 +1,149 @@
+"""`make bench-train`: does reading the shards cost the trainer anything?
+
+    python -m bench.train --manifest manifests/tiny.toml [--data DIR] [--steps 24]
+
+Measured in one run, interleaved, on this machine (DESIGN.md: "Trainer on shards vs the
+same model's forward+backward on in-memory tensors (the limit)"):
+  step_ratio       median seconds per update reading the shards exactly as `train/__main__.py`
+                   does (reader thread one step ahead, sha256 on first open, Parquet decode,
+                   padding) / the same update on one batch held in memory            target <= 1.03
+  loader_ratio     tokens/s of the shard reader alone (fresh stream, whole epoch)
+                   / tokens/s the trainer consumes                                   target >= 20
+Both modes use the same model, optimizer and batch size; blocks of steps alternate so
+drift in machine speed hits both. Writes bench/results/train.json and train.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.config import load_manifest
+from common.io import atomic_write_json, atomic_write_text
+from common.model import ReplacedTokenDetector
+from common.optim import build_optimizer, build_scheduler
+from train.data import load_data_manifest, replaced_rate, to_tensors, training_stream
+
+RESULTS = Path("bench/results")
+
+
+def make_step(model, optimizer, scheduler, device, clip_norm):
+    """One update as the trainer does it (1 rank, no accumulation): RTD loss, clip, Adam, schedule."""
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step(batch: dict) -> None:
+        ids, mask = batch["input_ids"].to(device, non_blocking=True), batch["attention_mask"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        with autocast:
+            logits = model(ids, mask)
+            loss = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum")
+        (loss / mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return step
+
+
+def measure(config, data_dir: Path, steps: int, block: int) -> dict:
+    tc = config.train
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    manifest, _ = load_data_manifest(data_dir, config)
+    torch.manual_seed(tc.seed)
+    model = ReplacedTokenDetector(config.model, manifest["vocab_size"]).to(device)
+    model.head.start_at_base_rate(replaced_rate(manifest))
+    optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
+    scheduler = build_scheduler(optimizer, tc.warmup_steps, 10 * steps)
+    step = make_step(model, optimizer, scheduler, device, tc.clip_norm)
+    b = tc.batch_size
+
+    stream = training_stream(data_dir, manifest)  # fresh: every shard is verified when first opened
+    reader = ThreadPoolExecutor(max_workers=1)
+    in_memory = to_tensors(stream.rows(0, b))      # the limit: one batch, already padded
+    tokens_per_step = int(in_memory["attention_mask"].sum())
+    stream = training_stream(data_dir, manifest)
+    for _ in range(2):                             # warm-up (allocator, kernels), not timed
+        step(in_memory)
+
+    times = {"shards": [], "memory": []}
+    position = 0
+    pending = reader.submit(stream.rows, 0, b)
+    while len(times["shards"]) < steps:
+        for _ in range(block):                     # the trainer's data path
+            t0 = time.perf_counter()
+            rows = pending.result()
+            position += b
+            pending = reader.submit(stream.rows, position, position + b)
+            step(to_tensors(rows))
+            times["shards"].append(time.perf_counter() - t0)
+        for _ in range(block):                     # the same update, no data path
+            t0 = time.perf_counter()
+            step(in_memory)
+            times["memory"].append(time.perf_counter() - t0)
+    pending.result()
+    reader.shutdown()
+
+    loader = training_stream(data_dir, manifest)   # the reader alone, one epoch, fresh stream
+    rows_epoch = min(manifest["rows_per_epoch"], loader.num_rows) // b * b
+    t0, loader_tokens = time.perf_counter(), 0
+    for start in range(0, rows_epoch, b):
+        loader_tokens += int(to_tensors(loader.rows(start, start + b))["attention_mask"].sum())
+    loader_s = time.perf_counter() - t0
+
+    shard_step, memory_step = statistics.median(times["shards"]), statistics.median(times["memory"])
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "steps_per_mode": len(times["shards"]), "block": block, "batch_rows": b, "tokens_per_step": tokens_per_step,
+        "step_s_shards_median": shard_step, "step_s_memory_median": memory_step,
+        "step_s_shards_mean": statistics.fmean(times["shards"]), "step_s_memory_mean": statistics.fmean(times["memory"]),
+        "step_ratio": shard_step / memory_step,
+        "trainer_tokens_per_s": tokens_per_step / shard_step,
+        "loader_tokens_per_s": loader_tokens / loader_s, "loader_epoch_rows": rows_epoch, "loader_s": loader_s,
+        "loader_ratio": (loader_tokens / loader_s) / (tokens_per_step / shard_step),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.train")
+    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
+    parser.add_argument("--steps", type=int, default=32, help="timed updates per mode")
+    parser.add_argument("--block", type=int, default=4, help="updates per block before switching mode")
+    parser.add_argument("--out", default=str(RESULTS), help="results folder")
+    args = parser.parse_args(argv)
+    config = load_manifest(args.manifest)
+    data_dir = Path(args.data) if args.data else config.epochs_dir
+    result = {**measure(config, data_dir, args.steps, args.block), "manifest": args.manifest,
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpu_count": os.cpu_count(),
+              "torch": torch.__version__}
+    out = Path(args.out)
+    stem = "train" if result["device"] == "cpu" else "train-gpu"
+    atomic_write_json(out / f"{stem}.json", result)
+    md = [f"# bench-train ({result['device']})", "",
+          f"`python -m bench.train --manifest {args.manifest} --steps {args.steps}` on {result['machine']}, "
+          f"{result['cpu_count']} cores, torch {result['torch']}, device {result['device']}; "
+          f"{result['batch_rows']} rows x {result['tokens_per_step']} tokens per update, "
+          f"{result['steps_per_mode']} updates per mode in blocks of {result['block']}.", "",
+          "| figure | value | target |", "|---|---|---|",
+          f"| update on shards / on an in-memory batch (median s) | {result['step_ratio']:.3f} "
+          f"({result['step_s_shards_median']:.4f} / {result['step_s_memory_median']:.4f}) | <= 1.03 |",
+          f"| shard reader tokens/s / trainer tokens/s | {result['loader_ratio']:.0f} "
+          f"({result['loader_tokens_per_s']:.0f} / {result['trainer_tokens_per_s']:.0f}) | >= 20 |"]
+    atomic_write_text(out / f"{stem}.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
