@@ -179,8 +179,15 @@ class TrainConfig:
     """Stop the run after this many non-finite losses in a row (each one skips its update)."""
     seed: int = 0
     """Seed for initialisation and dropout (data order is fixed by the shards)."""
+    objective: str = "fast-offline"
+    """'fast-offline': RTD on the shards (the product); 'fast-online': the frozen aux model corrupts
+    each batch in the loop (same plan and code as generate/); 'electra': the original joint training."""
+    electra_lambda: float = 50.0
+    """'electra' only: loss = MLM + lambda * RTD (paper section 2: lambda = 50)."""
 
     def __post_init__(self):
+        if self.objective not in ("fast-offline", "fast-online", "electra"):
+            raise ConfigError(f"train.objective must be 'fast-offline', 'fast-online' or 'electra', got {self.objective!r}")
         if self.batch_size < 1 or self.grad_accum < 1:
             raise ConfigError("train.batch_size and train.grad_accum must be >= 1")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from common.batching import attention_mask
 from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
 from common.config import ConfigError, config_to_dict, load_manifest, save_resolved
 from common.io import atomic_write_json, atomic_write_text
@@ -35,6 +37,7 @@ from common.optim import build_optimizer, build_scheduler
 from train.data import (DataError, load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream,
                         validation_stream)
 from train.metrics import rtd_metrics
+from train.electra import ElectraPair, masked_inputs
 from train.plots import plot_curves
 
 # Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception).
@@ -77,6 +80,13 @@ def evaluate(model, valid, device, autocast, batch_size: int = 64) -> dict:
     return rtd_metrics(torch.cat(logits), torch.cat(labels), torch.cat(masks))
 
 
+def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15) -> dict:
+    """`electra`: original rows -> padded originals, [MASK]ed inputs, masked flags and uniforms."""
+    lengths = [len(r) for r in rows["input_ids"]]
+    batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths))
+    return {**batch, "attention_mask": attention_mask(lengths, max(lengths))}
+
+
 def all_reduce(values: list[float], world: int, op=None) -> list[float]:
     """Sum (or `op`) of a few floats over all ranks."""
     if world == 1:
@@ -92,11 +102,22 @@ def train(args) -> dict:
     tc = config.train
     run_dir = Path(args.out) if args.out else config.run_dir
     data_dir = Path(args.data) if args.data else config.epochs_dir
-    manifest, manifest_hash = load_data_manifest(data_dir, config)
     if tc.batch_size % (world * tc.grad_accum):
         raise ConfigError(f"train.batch_size {tc.batch_size} must be divisible by ranks x grad_accum "
                           f"= {world} x {tc.grad_accum}")
-    stream, valid = training_stream(data_dir, manifest), validation_stream(data_dir, manifest)
+    if tc.objective == "fast-offline":  # the product: shards written once by generate/
+        manifest, manifest_hash = load_data_manifest(data_dir, config)
+        stream, valid = training_stream(data_dir, manifest), validation_stream(data_dir, manifest)
+        vocab_size, prior = manifest["vocab_size"], replaced_rate(manifest)
+    else:  # fast-online: the same rows, corrupted in the loop by the frozen aux model; electra: by the generator
+        from train.online import online_streams
+        corpus_dir = Path(args.corpus) if args.corpus else config.corpus_dir
+        aux_path = Path(args.aux) if args.aux else config.aux_dir / "aux.pt"
+        stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, device.type,
+                                                                  corrupt=tc.objective == "fast-online")
+        prior = config.generate.mask_prob  # nearly every masked position is replaced (shards: ~0.99)
+        data_dir = f"{tc.objective} from {corpus_dir} (validation rows by {aux_path})"
+    electra = tc.objective == "electra"
     # 32 rows x 128 tokens = 4096 tokens per update on the tiny preset.
     total_steps = stream.num_rows // tc.batch_size
     if tc.max_steps:
@@ -105,8 +126,12 @@ def train(args) -> dict:
     micro = tc.batch_size // (world * tc.grad_accum)
 
     torch.manual_seed(tc.seed)  # same initial weights on every rank
-    model = ReplacedTokenDetector(config.model, manifest["vocab_size"]).to(device)
-    model.head.start_at_base_rate(replaced_rate(manifest))  # "init well": step 0 = majority baseline
+    if electra:  # generator + discriminator, embeddings shared; `detector` is what validation scores
+        model = ElectraPair(config.model, vocab_size).to(device)
+        detector = model.discriminator
+    else:
+        model = detector = ReplacedTokenDetector(config.model, vocab_size).to(device)
+    detector.head.start_at_base_rate(prior)  # "init well": step 0 = majority baseline
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                 tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, tc.warmup_steps, total_steps)
@@ -150,7 +175,7 @@ def train(args) -> dict:
               f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {tc.grad_accum} accum); "
               f"{dropped_rows} tail rows dropped; data {data_dir}")
         if "start" not in history:
-            history["start"] = {"step": 0, **evaluate(model, valid, device, autocast)}
+            history["start"] = {"step": 0, **evaluate(detector, valid, device, autocast)}
     if world > 1:
         dist.barrier()
 
@@ -172,23 +197,34 @@ def train(args) -> dict:
         temps = [min(temps[0], -neg_t_min), max(temps[1], t_max)]
         consumed = history.setdefault("temperature_consumed", [math.inf, -math.inf])
         history["temperature_consumed"] = [min(consumed[0], temps[0]), max(consumed[1], temps[1])]
-        batches = [to_tensors({k: v[i * micro:(i + 1) * micro] for k, v in rows.items()}) for i in range(tc.grad_accum)]
+        to_batch = partial(electra_tensors, seed=config.seed, mask_prob=config.generate.mask_prob) if electra else to_tensors
+        batches = [to_batch({k: v[i * micro:(i + 1) * micro] for k, v in rows.items()}) for i in range(tc.grad_accum)]
         local_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-        (global_tokens,) = all_reduce([float(local_tokens)], world)
-        loss_sum = 0.0
+        local_masked = sum(int(b["masked_flags"].sum()) for b in batches) if electra else 0
+        global_tokens, global_masked = all_reduce([float(local_tokens), float(local_masked)], world)
+        loss_sum, mlm_sum, mlm_hits = 0.0, 0.0, 0.0
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             sync = ddp_model.no_sync() if (world > 1 and not last) else contextlib.nullcontext()
             with sync, autocast:
-                ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-                logits = ddp_model(ids, mask)
-                loss = F.binary_cross_entropy_with_logits(logits[mask].float(), batch["labels"].to(device)[mask],
-                                                          reduction="sum")
+                mask = batch["attention_mask"].to(device)
+                if electra:  # the generator masks, predicts and samples; the discriminator detects
+                    mlm, logits, labels, hits = ddp_model(*(batch[k].to(device) for k in
+                                                            ("masked_ids", "attention_mask", "masked_flags",
+                                                             "original_ids", "uniforms")))
+                else:
+                    logits, labels = ddp_model(batch["input_ids"].to(device), mask), batch["labels"].to(device)
+                loss = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum")
                 # DDP averages gradients over ranks, so scale by W: the result is d(sum / global_tokens).
-                (loss * world / global_tokens).backward()
+                objective = loss * world / global_tokens
+                if electra:  # L = L_MLM + lambda * L_RTD (paper section 2)
+                    objective = mlm * world / global_masked + tc.electra_lambda * objective
+                objective.backward()
             loss_sum += loss.item()
-        (loss_sum,) = all_reduce([loss_sum], world)
-        step_loss = loss_sum / global_tokens
+            if electra:
+                mlm_sum, mlm_hits = mlm_sum + mlm.item(), mlm_hits + float(hits)
+        loss_sum, mlm_sum, mlm_hits = all_reduce([loss_sum, mlm_sum, mlm_hits], world)
+        step_loss = loss_sum / global_tokens  # the RTD loss, comparable across objectives
         if math.isfinite(step_loss):
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm))
             optimizer.step()
@@ -217,10 +253,12 @@ def train(args) -> dict:
                       "temperature_min": temps[0], "temperature_max": temps[1], "tokens_per_s": tokens_per_s,
                       "peak_memory_mb": peak_memory_mb(device), "nonfinite_steps": nonfinite_total,
                       "rows": [step * tc.batch_size - tc.batch_size, step * tc.batch_size]}
+            if electra:
+                record.update(generator_mlm_loss=mlm_sum / global_masked, generator_top1=mlm_hits / global_masked)
             temps = [math.inf, -math.inf]
         if step % tc.eval_every == 0 or step == total_steps:
             if is_main:
-                evaluation = evaluate(model, valid, device, autocast)
+                evaluation = evaluate(detector, valid, device, autocast)
                 history["last"] = {"step": step, **evaluation}
                 record = {**(record or {"step": step}), **{f"val_{k}": v for k, v in evaluation.items()}}
             if world > 1:
@@ -292,6 +330,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
     parser.add_argument("--out", default=None, help="run folder (default: WORK_DIR/runs/default)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    parser.add_argument("--corpus", default=None, help="fast-online only: corpus folder (default: WORK_DIR/corpus)")
+    parser.add_argument("--aux", default=None, help="fast-online only: aux model (default: WORK_DIR/aux/aux.pt)")
     args = parser.parse_args(argv)
     try:
         train(args)

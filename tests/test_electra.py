@@ -1,0 +1,71 @@
+"""The `electra` objective (paper section 2): it learns, and the shared embeddings stay shared."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from common.checkpoint import AUX_FILE, latest_checkpoint
+from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
+from tests.conftest import ROOT
+from train.electra import ElectraPair, generator_layers, masked_inputs
+from train.online import OnlineStream
+
+SHARED = ("encoder.embed.weight", "encoder.ln_embed.weight", "encoder.ln_embed.bias")
+
+
+def test_generator_is_a_third_deep_and_shares_the_embeddings(built):
+    pair = ElectraPair(built.model, 320)
+    assert generator_layers(built.model) == 1 and len(pair.generator.encoder.layers) == 1  # 2 / 3 -> 1
+    for name in SHARED:
+        assert pair.generator.get_parameter(name) is pair.discriminator.get_parameter(name)
+    assert pair.generator.head.embedding.weight is pair.discriminator.encoder.embed.weight
+    names = [n for n, _ in pair.named_parameters()]
+    assert len(names) == len(set(id(p) for p in pair.parameters()))  # each shared tensor counted once
+
+
+def test_masking_matches_the_generators_rows(built, generated):
+    """ELECTRA masks the very positions generate/ masks for the same (seed, epoch, row)."""
+    manifest_path, data, _ = generated
+    config = load_manifest(manifest_path)
+    stream = OnlineStream(config, built.corpus_dir, None)
+    rows = stream.rows(0, 8)
+    batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], config.seed, 0.15, 32)
+    from train.data import load_data_manifest, training_stream
+    shards = training_stream(data, load_data_manifest(data, config)[0]).rows(0, 8)
+    for i, label in enumerate(shards["labels"]):  # every replaced position of the shard is masked here
+        assert batch["masked_flags"][i, :len(label)][torch.from_numpy(label)].all()
+        assert np.array_equal(batch["original_ids"][i, :len(label)].numpy(), rows["input_ids"][i])
+
+
+@pytest.mark.slow
+def test_electra_objective_learns_and_its_checkpoint_keeps_the_sharing(built, generated, tmp_path, env_with_repo):
+    manifest_path, _, _ = generated
+    values = config_to_dict(load_manifest(manifest_path))
+    values["train"].update({"objective": "electra", "lr": 2e-3, "max_steps": 40, "eval_every": 20, "ckpt_every": 20,
+                            "warmup_steps": 4, "embed_lr_scale": 1.0})
+    path = tmp_path / "electra.toml"
+    path.write_text(dump_toml(config_from_dict(values)))
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(path), "--out", str(run),
+                             "--corpus", str(built.corpus_dir), "--aux", str(built.aux_dir / AUX_FILE)],
+                            cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 40
+    first, last = records[:8], records[-8:]
+    mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
+    assert mean(last, "generator_mlm_loss") < mean(first, "generator_mlm_loss") - 0.5
+    assert mean(last, "generator_top1") > mean(first, "generator_top1") + 0.02
+    assert mean(last, "loss") < mean(first, "loss")  # the discriminator's RTD loss falls too
+
+    _, state = latest_checkpoint(run / "checkpoints")
+    for name in SHARED:  # saved once: both names point at one storage
+        assert state["model"][f"generator.{name}"].data_ptr() == state["model"][f"discriminator.{name}"].data_ptr()
+    pair = ElectraPair(load_manifest(path).model, 320)
+    pair.load_state_dict(state["model"])
+    for name in SHARED:
+        assert pair.generator.get_parameter(name) is pair.discriminator.get_parameter(name)
+        assert torch.equal(pair.discriminator.get_parameter(name), state["model"][f"discriminator.{name}"])

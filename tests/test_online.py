@@ -1,0 +1,58 @@
+"""`fast-online` equivalence (issue: for the same seed, rows and temperature, fast-online feeds the
+main model exactly the corrupted ids and labels that generate/ wrote to the shards, bitwise on CPU)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from common.checkpoint import AUX_FILE
+from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
+from tests.conftest import ROOT
+from train.data import load_data_manifest, training_stream, validation_stream
+from train.online import online_streams
+
+pytestmark = pytest.mark.slow
+
+
+def _same_rows(a: dict, b: dict) -> None:
+    assert len(a["input_ids"]) == len(b["input_ids"]) > 0
+    assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a["input_ids"], b["input_ids"]))
+    assert all(x.dtype == y.dtype == bool and np.array_equal(x, y) for x, y in zip(a["labels"], b["labels"]))
+    assert np.array_equal(a["temperature"], b["temperature"]) and a["temperature"].dtype == b["temperature"].dtype
+    assert np.array_equal(a["stream_index"], b["stream_index"])
+
+
+def test_fast_online_feeds_exactly_the_rows_of_the_shards(built, generated):
+    manifest_path, data, _ = generated
+    config = load_manifest(manifest_path)
+    manifest, _ = load_data_manifest(data, config)
+    torch.set_num_threads(config.generate.threads_per_worker)
+    shards = training_stream(data, manifest)
+    online, valid, vocab, _ = online_streams(config, built.corpus_dir, built.aux_dir / AUX_FILE, "cpu")
+    assert online.num_rows == shards.num_rows and vocab == manifest["vocab_size"]
+    per_epoch, per_shard = manifest["rows_per_epoch"], config.generate.rows_per_shard
+    batch = config.train.batch_size
+    # training batches: the first, one across a shard boundary, one across the epoch boundary, the last
+    for start in (0, per_shard - batch // 2, per_epoch - batch // 2, shards.num_rows - batch):
+        _same_rows(online.rows(start, start + batch), shards.rows(start, start + batch))
+    held_out = validation_stream(data, manifest)
+    _same_rows(valid.rows(0, valid.num_rows), held_out.rows(0, held_out.num_rows))
+
+
+def test_trainer_runs_the_fast_online_objective(built, generated, tmp_path, env_with_repo):
+    manifest_path, data, _ = generated
+    values = config_to_dict(load_manifest(manifest_path))
+    values["train"].update({"objective": "fast-online", "max_steps": 4, "eval_every": 4, "ckpt_every": 4})
+    path = tmp_path / "online.toml"
+    path.write_text(dump_toml(config_from_dict(values)))
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(path), "--out", str(run),
+                             "--corpus", str(built.corpus_dir), "--aux", str(built.aux_dir / AUX_FILE)],
+                            cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in records)
+    assert "val_auc" in records[-1] and "online from" in result.stdout

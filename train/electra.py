@@ -1,0 +1,71 @@
+"""`electra`: the original ELECTRA joint training, the baseline Fast-ELECTRA saves against.
+
+Paper section 2: a generator G (an MLM) and the discriminator D are trained together,
+    L = L_MLM(G) + lambda * L_RTD(D),  lambda = 50,
+with masking and sampling done online, no gradient through the sampling, and the token
+embeddings (and their LayerNorm) shared between G and D. The generator here has the main
+model's width and 1/3 of its depth (paper section 4.3, efficiency analysis). Masked
+positions and sampling uniforms come from the same per-row generators as generate/
+(`row_rng(seed, epoch, row)`), at T = 1: ELECTRA samples from its generator as it is.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ModelConfig
+from common.curriculum import choose_masked_positions, row_rng, sample_replacements
+from common.model import MaskedLM, ReplacedTokenDetector
+from common.tokenizer import MASK_ID
+
+
+def generator_layers(cfg: ModelConfig) -> int:
+    """1/3 of the main depth (base: 12 -> 4), at least one layer."""
+    return max(1, round(cfg.num_layers / 3))
+
+
+class ElectraPair(nn.Module):
+    """Generator + discriminator with shared token embeddings and embedding LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.discriminator = ReplacedTokenDetector(cfg, vocab_size)
+        self.generator = MaskedLM(cfg, vocab_size, generator_layers(cfg))
+        shared = self.discriminator.encoder
+        self.generator.encoder.embed = shared.embed          # the same modules, not copies
+        self.generator.encoder.ln_embed = shared.ln_embed
+        self.generator.head.embedding = shared.embed          # MLM output layer tied to them too
+
+    def forward(self, masked_ids, attention_mask, masked_flags, original_ids, uniforms):
+        """Returns (generator MLM loss summed over masked positions, discriminator logits (B, L),
+        RTD labels (B, L) float, generator top-1 hits)."""
+        gen_logits = self.generator(masked_ids, attention_mask, masked_flags)   # (M, V) at masked positions
+        originals = original_ids[masked_flags]
+        mlm_sum = F.cross_entropy(gen_logits.float(), originals, reduction="sum")
+        with torch.no_grad():  # no gradient through the sampling (paper section 2)
+            ones = torch.ones(len(originals), device=gen_logits.device)
+            sampled = sample_replacements(gen_logits.detach(), ones, uniforms)
+            corrupted = original_ids.masked_scatter(masked_flags, sampled)
+            labels = (corrupted != original_ids).float()
+            hits = (gen_logits.argmax(-1) == originals).sum()
+        return mlm_sum, self.discriminator(corrupted, attention_mask), labels, hits
+
+
+def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray | int, seed: int,
+                  mask_prob: float, pad_to: int) -> dict:
+    """Per row: masked positions and sampling uniforms drawn exactly as generate/ draws them, as
+    padded tensors: original_ids, masked_ids, masked_flags, uniforms (row-major over flags)."""
+    epochs = np.broadcast_to(np.asarray(epoch), (len(rows),))
+    original = torch.zeros((len(rows), pad_to), dtype=torch.long)
+    flags = torch.zeros((len(rows), pad_to), dtype=torch.bool)
+    uniforms = []
+    for i, (r, rid, e) in enumerate(zip(rows, row_ids, epochs)):
+        rng = row_rng(seed, int(e), int(rid))
+        pos = choose_masked_positions(r, mask_prob, rng)
+        uniforms.append(rng.random(len(pos)))
+        original[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
+        flags[i, torch.from_numpy(pos)] = True
+    return {"original_ids": original, "masked_ids": original.masked_fill(flags, MASK_ID), "masked_flags": flags,
+            "uniforms": torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))}

@@ -1,0 +1,104 @@
+"""`fast-online`: Fast-ELECTRA with the frozen aux model inside the training loop.
+
+Paper section 3: the auxiliary model is fixed, so its corruption of a row depends only
+on (seed, epoch, row, temperature). This stream computes, on demand, exactly the rows
+the generator writes to the shards: the same plan (`generate.plan`: epoch permutation,
+per-row temperature) and the same `Corruptor` (masking, aux forward, fp32 sampling,
+labels). It is the baseline that `fast-offline` removes the aux cost from, and a test
+checks it feeds the main model the very same ids and labels as the shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
+from common.config import RunConfig
+from common.corpus import SplitRows, load_corpus_meta
+from common.curriculum import VALID_EPOCH
+from generate.plan import epoch_order, epoch_temperatures, generation_key, rows_per_epoch
+from generate.worker import Corruptor
+
+
+class OnlineStream:
+    """Rows [start, stop) of the training stream, corrupted now: the same dict as `ShardStream.rows`.
+    Without a corruptor (`electra`), the original rows with their row ids and epochs."""
+
+    def __init__(self, config: RunConfig, corpus_dir: Path, corruptor: Corruptor | None):
+        meta = load_corpus_meta(corpus_dir)
+        self.cfg, self.seed = config.generate, config.seed
+        self.num_train = meta["train"]["rows"]
+        self.per_epoch = rows_per_epoch(self.num_train, self.cfg)
+        self.num_rows = self.per_epoch * self.cfg.epochs
+        self.corpus = SplitRows(corpus_dir, "train")
+        self.corruptor = corruptor
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(self.num_train, epoch, self.per_epoch, self.seed)}
+        return self._orders[epoch]
+
+    def rows(self, start: int, stop: int) -> dict:
+        assert 0 <= start <= stop <= self.num_rows, (start, stop, self.num_rows)
+        out = {"input_ids": [], "labels": [], "temperature": [], "stream_index": []}
+        if self.corruptor is None:
+            out = {"input_ids": [], "row_id": [], "epoch": [], "temperature": [], "stream_index": []}
+        position = start
+        while position < stop:
+            epoch = position // self.per_epoch
+            end = min(stop, (epoch + 1) * self.per_epoch)
+            stream = np.arange(position, end, dtype=np.int64)
+            row_ids = self._order(epoch)[stream - epoch * self.per_epoch]
+            temperatures = epoch_temperatures(self.cfg, epoch, stream, self.num_rows)
+            originals = [self.corpus[int(i)] for i in row_ids]
+            if self.corruptor is None:
+                out["input_ids"] += originals
+                out["row_id"] += row_ids.tolist()
+                out["epoch"] += [epoch] * len(row_ids)
+            else:
+                corrupted = self.corruptor(originals, row_ids, epoch, temperatures)
+                out["input_ids"] += corrupted["input_ids"]
+                out["labels"] += [label.astype(bool) for label in corrupted["labels"]]
+            out["temperature"].append(temperatures.astype(np.float32))
+            out["stream_index"].append(stream)
+            position = end
+        out["temperature"] = np.concatenate(out["temperature"]) if out["temperature"] else np.zeros(0, np.float32)
+        out["stream_index"] = np.concatenate(out["stream_index"]) if out["stream_index"] else np.zeros(0, np.int64)
+        return out
+
+
+class RowsInMemory:
+    """A few already-corrupted rows (the validation split) behind the `rows(start, stop)` interface."""
+
+    def __init__(self, data: dict):
+        self.data, self.num_rows = data, len(data["input_ids"])
+
+    def rows(self, start: int, stop: int) -> dict:
+        return {k: v[start:stop] for k, v in self.data.items()}
+
+
+def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: str, corrupt: bool = True) -> tuple:
+    """(training stream, validation rows at T = 1, vocab size, data key) for `fast-online`, or with
+    corrupt=False for `electra` (original training rows; validation rows still from the frozen aux
+    model at T = 1, so every objective is scored on the same held-out rows)."""
+    meta = load_corpus_meta(corpus_dir)
+    aux = read_aux_meta(aux_path)
+    check_aux_matches_tokenizer(aux, aux_path, meta["vocab_size"], meta["tokenizer_sha256"], corpus_dir / "tokenizer.model")
+    if meta["vocab_size"] != config.tokenizer.vocab_size or meta["max_seq_len"] != config.corpus.max_seq_len:
+        raise IncompatibleInputs(f"corpus {corpus_dir} has vocabulary {meta['vocab_size']} / sequence length "
+                                 f"{meta['max_seq_len']}, the manifest {config.tokenizer.vocab_size} / {config.corpus.max_seq_len}")
+    g = config.generate
+    corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device)
+    stream = OnlineStream(config, corpus_dir, corruptor if corrupt else None)
+    valid_rows = SplitRows(corpus_dir, "valid")
+    count = min(g.valid_rows, len(valid_rows)) if g.valid_rows else len(valid_rows)
+    ids = np.arange(count)
+    corrupted = corruptor([valid_rows[int(i)] for i in ids], ids, VALID_EPOCH, np.ones(count))
+    valid = RowsInMemory({"input_ids": corrupted["input_ids"], "labels": [l.astype(bool) for l in corrupted["labels"]],
+                          "temperature": np.ones(count, np.float32), "stream_index": ids})
+    key = generation_key(config.seed, g, meta, aux["sha256"])
+    return stream, valid, meta["vocab_size"], hashlib.sha256(json.dumps({"online": key, "corrupt": corrupt}).encode()).hexdigest()
