@@ -51,18 +51,23 @@ def sample_replacements(logits: torch.Tensor, temperature: torch.Tensor, uniform
 
     logits: (K, V) aux outputs at masked positions (any float dtype); temperature: (K,);
     uniforms: (K,) in [0, 1), one per position. Inverse-CDF sampling, deterministic.
+    log p_aux = logits - logsumexp(logits), and the constant drops out of the softmax, so
+    Softmax(log p_aux / T) = Softmax(logits / T); the normalisation drops out too, because u
+    is scaled by the total mass instead. Five passes over (K, V) instead of eight (profiled:
+    sampling was 16% of generation time on CPU).
     """
     specials = torch.tensor(SPECIAL_IDS, device=logits.device)
-    logits = logits.float().index_fill(1, specials, float("-inf"))  # a new tensor: the caller's stays intact
-    log_p = torch.log_softmax(logits, dim=-1)
-    probs = torch.softmax(log_p / temperature.float()[:, None], dim=-1)
-    cdf = torch.cumsum(probs, dim=-1)
-    # Scale by the last cdf entry so rounding in the sum never pushes u past the end.
-    # First index whose cdf exceeds u: its own probability is > 0.
+    scaled = logits.float() / temperature.float()[:, None]  # a new tensor: the caller's stays intact
+    scaled.index_fill_(1, specials, float("-inf"))
+    scaled -= scaled.max(dim=-1, keepdim=True).values
+    weights = scaled.exp_()  # unnormalised probabilities, the largest is 1
+    cdf = torch.cumsum(weights, dim=-1)
+    # Scale u by the last cdf entry (the total mass) so rounding in the sum never pushes u past the end.
+    # First index whose cdf exceeds u: its own weight is > 0.
     targets = (uniforms.double() * cdf[:, -1].double()).float()[:, None]
     idx = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=logits.shape[1] - 1)
     # Only rounding at the very end can land past the mass; fall back to the mode there.
-    return _avoid_zero_mass(idx, probs)
+    return _avoid_zero_mass(idx, weights)
 
 
 def _avoid_zero_mass(idx: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
