@@ -30,7 +30,7 @@ import torch
 
 from common.checkpoint import AUX_FILE
 from common.config import load_manifest
-from common.corpus import load_corpus_meta, load_split
+from common.corpus import SplitRows, load_corpus_meta, load_split
 from common.io import atomic_write_json, atomic_write_text
 from generate.plan import plan_tasks
 from generate.worker import Corruptor, ShardWriter
@@ -47,7 +47,7 @@ def forward_vs_generation(config, corpus_dir: Path, aux_path: Path, num_rows: in
     task = plan_tasks(num_rows, 0, g.__class__(epochs=1, rows_per_shard=num_rows, valid_rows=0), config.seed)[-1]
     tokens = int(sum(len(r) for r in rows["train"]))
     with tempfile.TemporaryDirectory() as tmp:
-        writer = ShardWriter(rows, corruptor, tmp)
+        writer = ShardWriter(rows, corruptor, tmp, g.zstd_level)
         gen = min(_timed(lambda: writer(task)) for _ in range(repeats))
     _, _, batches = corruptor.masked_batches(rows["train"], task.row_ids, 0)
 
@@ -77,7 +77,8 @@ def worker_scaling(config, corpus_dir: Path, aux_path: Path, rows_per_epoch: int
     out = {}
     start_ray(None, 2)
     args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()), "seed": config.seed,
-            "mask_prob": g.mask_prob, "batch_tokens": g.batch_tokens, "threads": g.threads_per_worker}
+            "mask_prob": g.mask_prob, "batch_tokens": g.batch_tokens, "threads": g.threads_per_worker,
+            "zstd_level": g.zstd_level}
     for workers in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
@@ -100,28 +101,36 @@ def unigram_entropy_bytes(corpus_dir: Path, vocab_size: int) -> float:
 
 
 def replicate_corpus(corpus_dir: Path, out_dir: Path, times: int) -> Path:
-    """A corpus folder whose training split is `times` copies of the original (same tokenizer)."""
+    """A corpus folder whose training split is `times` copies of the original (same tokenizer),
+    with real `times`-size memory-mapped token files."""
     shutil.copytree(corpus_dir, out_dir)
     meta = json.loads((out_dir / "corpus.json").read_text())
     parts = meta["train"]["parts"]
     meta["train"]["parts"] = parts * times  # the same part files, read `times` times
     meta["train"]["rows"] *= times
     meta["train"]["tokens"] *= times
+    tokens = np.load(corpus_dir / "train.tokens.npy")
+    offsets = np.load(corpus_dir / "train.offsets.npy")
+    big_offsets = np.concatenate([offsets[:-1] + k * offsets[-1] for k in range(times)] + [[times * offsets[-1]]])
+    for kind, array in (("tokens", np.tile(tokens, times)), ("offsets", big_offsets.astype(np.int64))):
+        path = out_dir / f"train.{kind}.npy"
+        np.save(path, array)
+        meta["train"]["flat"][kind]["bytes"] = path.stat().st_size
     (out_dir / "corpus.json").write_text(json.dumps(meta))
     return out_dir
 
 
 def memory_probe(manifest: str, corpus_dir: str, aux_path: str, shards: int) -> None:
-    """Run in a fresh process: what one actor does (load corpus + aux, write `shards` shards); print peak RSS."""
+    """Run in a fresh process: what one actor does (map corpus, load aux, write `shards` shards); print peak RSS."""
     config = load_manifest(manifest)
     torch.set_num_threads(config.generate.threads_per_worker)
-    rows = {split: load_split(corpus_dir, split) for split in ("train", "valid")}
+    rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}
     corruptor = Corruptor(aux_path, config.seed, config.generate.mask_prob, config.generate.batch_tokens)
     meta = load_corpus_meta(corpus_dir)
     tasks = [t for t in plan_tasks(meta["train"]["rows"], meta["valid"]["rows"], config.generate, config.seed)
              if t.split == "train"][:shards]
     with tempfile.TemporaryDirectory() as tmp:
-        writer = ShardWriter(rows, corruptor, tmp)
+        writer = ShardWriter(rows, corruptor, tmp, config.generate.zstd_level)
         for task in tasks:
             writer(task)
     print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
