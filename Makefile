@@ -20,11 +20,11 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-flops clean help
+.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-efficiency bench-flops clean help
 
 help:
 	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep"
-	@echo "make bench-generate | make bench-train | make bench-flops | make clean"
+	@echo "make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -63,6 +63,9 @@ bench-generate: generate-epochs
 
 bench-train: generate-epochs
 	$(PY) -m bench.train --manifest $(MANIFEST) --data $(DATA_DIR)
+
+bench-efficiency: generate-epochs
+	$(PY) -m bench.efficiency --manifest $(MANIFEST) --data $(DATA_DIR)
 
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md

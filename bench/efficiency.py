@@ -1,0 +1,270 @@
+"""`make bench-efficiency`: seconds per update and peak memory of electra / fast-online / fast-offline,
+same main model, same batch, measured interleaved in one run (paper section 4.3, table
+"efficiency on device"), and the break-even number of reuses of the dumped shards.
+
+    python -m bench.efficiency --manifest manifests/tiny.toml [--layers 6] [--steps 24]
+
+Shape: the manifest's main model at `--layers` depth (CPU default 6, so the 2-layer tiny aux is
+1/3 of it, the paper's proportion; the electra generator is 1/3 deep too, same width).
+  fast-offline  rows read from the shards (as the trainer reads them), RTD update
+  fast-online   the same rows corrupted in the loop by the frozen aux model (train/online.py), RTD update
+  electra       the same rows masked, generator MLM + sampling + discriminator, joint update (lambda 50)
+Memory: on GPU, torch.cuda.max_memory_allocated per mode; on CPU, each mode runs in its own process
+and reports its peak RSS above the process's RSS before the mode built anything.
+Break-even: generation is paid once (g seconds per update's worth of rows, measured here with the
+generator's own Corruptor + Parquet writer); offline's total cost over n runs, g + n * t_off, beats
+online's n * t_on from n >= g / (t_on - t_off).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
+from common.checkpoint import AUX_FILE
+from common.config import config_from_dict, config_to_dict, load_manifest
+from common.io import atomic_write_json, atomic_write_text
+from common.model import ReplacedTokenDetector
+from common.optim import build_optimizer, build_scheduler
+from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
+from train.__main__ import electra_tensors
+from train.data import load_data_manifest, to_tensors, training_stream
+from train.electra import ElectraPair, generator_layers
+from train.online import OnlineStream
+
+RESULTS = Path("bench/results")
+MODES = ("electra", "fast-online", "fast-offline")
+
+
+def bench_config(manifest: str, layers: int):
+    values = config_to_dict(load_manifest(manifest))
+    values["model"]["num_layers"] = layers
+    return config_from_dict(values)
+
+
+class Mode:
+    """One objective: its stream, its model + optimizer, and `step()` = read the next batch and update."""
+
+    def __init__(self, name: str, config, data_dir: Path, device: torch.device):
+        self.name, self.config, self.device = name, config, device
+        tc, g = config.train, config.generate
+        manifest, _ = load_data_manifest(data_dir, config)
+        if name == "fast-offline":
+            self.stream = training_stream(data_dir, manifest)
+        else:
+            from generate.worker import Corruptor
+            corruptor = Corruptor(config.aux_dir / AUX_FILE, config.seed, g.mask_prob, g.batch_tokens, device=device.type) \
+                if name == "fast-online" else None
+            self.stream = OnlineStream(config, config.corpus_dir, corruptor)
+        torch.manual_seed(tc.seed)
+        vocab = manifest["vocab_size"]
+        self.model = (ElectraPair(config.model, vocab) if name == "electra" else ReplacedTokenDetector(config.model, vocab)).to(device)
+        self.optimizer = build_optimizer(self.model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
+                                         tc.embed_lr_scale)
+        self.scheduler = build_scheduler(self.optimizer, tc.warmup_steps, 10_000)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+        self.to_batch = partial(electra_tensors, seed=config.seed, mask_prob=g.mask_prob) if name == "electra" else to_tensors
+        self.position = 0
+
+    def step(self) -> None:
+        b = self.config.train.batch_size
+        if self.position + b > self.stream.num_rows:
+            self.position = 0
+        rows = self.stream.rows(self.position, self.position + b)
+        self.position += b
+        batch = {k: v.to(self.device) for k, v in self.to_batch(rows).items()}
+        mask = batch["attention_mask"]
+        with self.autocast:
+            if self.name == "electra":
+                mlm, logits, labels, _ = self.model(batch["masked_ids"], mask, batch["masked_flags"],
+                                                    batch["original_ids"], batch["uniforms"])
+            else:
+                logits, labels = self.model(batch["input_ids"], mask), batch["labels"]
+            rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum") / mask.sum()
+            loss = mlm / batch["masked_flags"].sum() + self.config.train.electra_lambda * rtd if self.name == "electra" else rtd
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def generation_seconds_per_update(config, data_dir: Path, device: torch.device, repeats: int) -> float:
+    """What generate/ spends per update's worth of rows: Corruptor (mask, aux, sample, label) + Parquet write."""
+    from generate.worker import Corruptor
+    g = config.generate
+    corruptor = Corruptor(config.aux_dir / AUX_FILE, config.seed, g.mask_prob, g.batch_tokens, device=device.type)
+    stream = OnlineStream(config, config.corpus_dir, None)
+    b = config.train.batch_size
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            rows = stream.rows(r * b, (r + 1) * b)
+            t0 = time.perf_counter()
+            out = corruptor(rows["input_ids"], np.asarray(rows["row_id"]), rows["epoch"][0], rows["temperature"].astype(np.float64))
+            write_parquet(Path(tmp) / f"s{r}.parquet", {
+                "stream_index": rows["stream_index"], "row_id": np.asarray(rows["row_id"], dtype=np.int64),
+                "temperature": rows["temperature"], "input_ids": int_lists(out["input_ids"], SHARD_SCHEMA.field("input_ids").type.value_type),
+                "labels": int_lists(out["labels"], SHARD_SCHEMA.field("labels").type.value_type)},
+                SHARD_SCHEMA, SHARD_ENCODING, g.zstd_level)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def analytic_ratios(config) -> dict:
+    """FLOPs per sequence per update for the measured shape, two conventions (bench/flops.py)."""
+    m, L, V = config.model, config.corpus.max_seq_len, config.tokenizer.vocab_size
+    enc = lambda layers: Encoder(m.hidden_size, m.ffn_size, m.num_heads, layers, V)
+    aux_layers, gen_layers = config.aux.num_layers, generator_layers(m)
+    masked = config.generate.mask_prob * L
+    # the paper's convention: embeddings as a matmul, no output layers
+    main, gen, aux = (encoder_forward_flops(enc(n), L, softmax=False) for n in (m.num_layers, gen_layers, aux_layers))
+    paper = {"offline_vs_electra": 3 * main / (3 * main + 3 * gen), "online_vs_electra": (3 * main + aux) / (3 * main + 3 * gen)}
+    # as executed: embedding lookups cost nothing, MLM output layer at masked positions, RTD head per token
+    lookup = lambda n: encoder_forward_flops(enc(n), L, softmax=True) - 2 * L * V * m.hidden_size
+    head = lambda positions, out: output_layer_flops(m.hidden_size, m.hidden_size, positions) + output_layer_flops(m.hidden_size, out, positions)
+    main_x = lookup(m.num_layers) + head(L, 1)
+    gen_x, aux_x = lookup(gen_layers) + head(masked, V), lookup(aux_layers) + head(masked, V)
+    executed = {"offline_vs_electra": 3 * main_x / (3 * main_x + 3 * gen_x),
+                "online_vs_electra": (3 * main_x + aux_x) / (3 * main_x + 3 * gen_x)}
+    return {"paper_convention": paper, "as_executed": executed}
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process (Linux /proc), in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_probe(manifest: str, layers: int, data_dir: str, mode: str, steps: int) -> None:
+    """In a fresh process: peak RSS while one mode builds its stream and model and runs `steps`
+    updates, minus the RSS before it started (a sampling thread reads RSS every 0.5 ms; ru_maxrss
+    cannot be used, its peak is set by the imports)."""
+    config = bench_config(manifest, layers)
+    base, peak, done = rss_mb(), [0.0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            time.sleep(0.0005)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    runner = Mode(mode, config, Path(data_dir), torch.device("cpu"))
+    for _ in range(steps):
+        runner.step()
+    done.set()
+    sampler.join()
+    print(json.dumps({"peak_mb": max(peak[0], rss_mb()) - base}))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.efficiency")
+    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
+    parser.add_argument("--layers", type=int, default=6, help="main model depth (aux and generator: 1/3)")
+    parser.add_argument("--steps", type=int, default=24, help="timed updates per mode")
+    parser.add_argument("--block", type=int, default=4)
+    parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    config = bench_config(args.manifest, args.layers)
+    data_dir = Path(args.data) if args.data else config.epochs_dir
+    if args.memory_probe:
+        memory_probe(args.manifest, args.layers, str(data_dir), args.memory_probe, 4)
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.aux.num_layers * 3 != args.layers:
+        print(f"note: aux has {config.aux.num_layers} layers, main {args.layers}: not the paper's 1/3")
+
+    modes = {name: Mode(name, config, data_dir, device) for name in MODES}
+    for mode in modes.values():  # warm-up, not timed
+        mode.step()
+    times = {name: [] for name in MODES}
+    while len(times["fast-offline"]) < args.steps:
+        for name, mode in modes.items():  # blocks alternate: machine drift hits every mode alike
+            for _ in range(args.block):
+                t0 = time.perf_counter()
+                mode.step()
+                times[name].append(time.perf_counter() - t0)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
+    del modes
+
+    memory = {}
+    if device.type == "cuda":
+        for name in MODES:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            runner = Mode(name, config, data_dir, device)
+            for _ in range(3):
+                runner.step()
+            memory[name] = torch.cuda.max_memory_allocated(device) / 2**20
+            del runner
+    else:
+        for name in MODES:
+            cmd = [sys.executable, "-m", "bench.efficiency", "--manifest", args.manifest, "--layers", str(args.layers),
+                   "--data", str(data_dir), "--memory-probe", name]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            memory[name] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
+
+    g = generation_seconds_per_update(config, data_dir, device, repeats=args.steps // 2)
+    extra = seconds["fast-online"] - seconds["fast-offline"]
+    break_even = g / extra if extra > 0 else math.inf
+    analytic = analytic_ratios(config)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": {"main_layers": args.layers, "aux_layers": config.aux.num_layers, "generator_layers": generator_layers(config.model),
+                  "hidden": config.model.hidden_size, "seq_len": config.corpus.max_seq_len, "batch_rows": config.train.batch_size,
+                  "vocab": config.tokenizer.vocab_size},
+        "seconds_per_update": seconds, "peak_memory_mb": memory,
+        "ratio_offline_vs_electra": seconds["fast-offline"] / seconds["electra"],
+        "ratio_online_vs_electra": seconds["fast-online"] / seconds["electra"],
+        "memory_ratio_offline_vs_electra": memory["fast-offline"] / memory["electra"],
+        "memory_ratio_online_vs_electra": memory["fast-online"] / memory["electra"],
+        "analytic_flops_ratios": analytic,
+        "generation_seconds_per_update": g, "break_even_runs": break_even,
+        "steps_per_mode": args.steps, "block": args.block, "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    }
+    stem = "efficiency" if device.type == "cpu" else "efficiency-gpu"
+    atomic_write_json(RESULTS / f"{stem}.json", result)
+    mem_unit = "MB of RSS above the process baseline" if device.type == "cpu" else "MB (max allocated)"
+    s, mem = seconds, memory
+    md = [f"# bench-efficiency ({result['device']})", "",
+          f"`python -m bench.efficiency --manifest {args.manifest} --layers {args.layers} --steps {args.steps}` on "
+          f"{result['machine']}, {result['cpu_count']} cores, torch {result['torch']}. Main model {args.layers} x "
+          f"{config.model.hidden_size}, aux {config.aux.num_layers} layers, generator {generator_layers(config.model)} layers, "
+          f"{config.train.batch_size} rows x {config.corpus.max_seq_len} tokens per update; medians of {args.steps} "
+          f"interleaved updates per method.", "",
+          f"| method | s / update | ratio | peak memory, {mem_unit} | ratio |", "|---|---|---|---|---|"]
+    for name in MODES:
+        md.append(f"| {name} | {s[name]:.4f} | {s[name] / s['electra']:.3f} | {mem[name]:.0f} | {mem[name] / mem['electra']:.3f} |")
+    md += ["", f"Analytic FLOPs ratio fast-offline / electra for this shape: {analytic['paper_convention']['offline_vs_electra']:.3f} "
+           f"(paper convention), {analytic['as_executed']['offline_vs_electra']:.3f} (as executed: lookups free, output layers counted); "
+           f"fast-online / electra: {analytic['paper_convention']['online_vs_electra']:.3f} / {analytic['as_executed']['online_vs_electra']:.3f}.",
+           "", f"Break-even: generating one update's rows costs {g:.4f} s (Corruptor + Parquet write); fast-online pays "
+           f"{extra:.4f} s more per update than fast-offline, so the dumped shards are cheaper in total from "
+           f"{break_even:.2f} training runs on (n >= g / (t_online - t_offline); "
+           f"{math.ceil(break_even) if math.isfinite(break_even) else 'never'} run(s))."]
+    atomic_write_text(RESULTS / f"{stem}.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
