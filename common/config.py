@@ -103,6 +103,11 @@ class AuxConfig:
             raise ConfigError(f"aux.mask_prob must be in (0, 1), got {self.mask_prob}")
 
 
+DISTRIBUTIONS = ("aux", "uniform", "term_frequency", "smoothed_one_hot", "uniform_to_soh", "tf_to_soh")
+AUGMENTATIONS = ("temperature", "tf_interpolation", "dropout", "attention_dropout", "drop_token")
+SCHEDULES = ("exponential", "constant", "polynomial", "stepwise")
+
+
 @dataclass
 class GenerateConfig:
     epochs: int = 2
@@ -116,9 +121,9 @@ class GenerateConfig:
     mask_prob: float = 0.15
     """Fraction of non-special tokens masked per sequence (paper appendix A: 15%)."""
     t0: float = 2.0
-    """Initial temperature T0 (paper eq. 1)."""
+    """Initial temperature T0 (paper eq. 1); temperature scaling's g_max is t0 - 1."""
     tau: float = 0.1
-    """Decay rate tau (paper eq. 1)."""
+    """Decay rate tau (paper eq. 1); the exponent of 'polynomial', the number of steps of 'stepwise'."""
     temperature_granularity: str = "row"
     """'row': u = global row index / total rows (default); 'epoch': u = epoch / epochs."""
     valid_rows: int = 512
@@ -127,6 +132,19 @@ class GenerateConfig:
     """torch threads per CPU actor; fixed so results never depend on worker count."""
     zstd_level: int = 19
     """zstd level of the shards (19: ~1.48 bytes/token on tiny, ~40 ms per 512-row shard)."""
+    distribution: str = "aux"
+    """Replaced-token distribution (paper section 5.1): 'aux' (the aux model, made easier by `augmentation`)
+    or, with no aux model, 'uniform', 'term_frequency', 'smoothed_one_hot', 'uniform_to_soh', 'tf_to_soh'."""
+    augmentation: str = "temperature"
+    """How the aux output is made easier with strength g (appendix C): 'temperature' (T = 1 + g),
+    'tf_interpolation' (p_TF^g p_aux^(1-g)), 'dropout', 'attention_dropout' (rate g), 'drop_token'."""
+    schedule: str = "exponential"
+    """Strength g over u (appendix C): 'exponential' g_max exp(-u/tau), 'constant' g_max,
+    'polynomial' g_max (1-u)^tau, 'stepwise' g_max (1 - floor(u tau)/tau)."""
+    gamma_max: float = 1.0
+    """g at u = 0 for every curriculum but temperature scaling, whose g_max is t0 - 1."""
+    soh_alpha: float = 0.35
+    """Smoothed one-hot: mass spread evenly over the other tokens (paper section 5.1: 0.35)."""
 
     def __post_init__(self):
         if self.epochs < 1:
@@ -135,12 +153,32 @@ class GenerateConfig:
             raise ConfigError("generate.rows_per_epoch >= 0, rows_per_shard >= 1, batch_tokens >= 1")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"generate.mask_prob must be in (0, 1), got {self.mask_prob}")
-        if self.t0 < 1.0 or self.tau <= 0.0:
+        if not (1.0 <= self.t0 < math.inf and 0.0 < self.tau < math.inf):
             raise ConfigError(f"generate.t0 must be >= 1 and tau > 0, got t0={self.t0} tau={self.tau}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"generate.zstd_level must be in 1..22, got {self.zstd_level}")
         if self.temperature_granularity not in ("row", "epoch"):
             raise ConfigError(f"generate.temperature_granularity must be 'row' or 'epoch', got {self.temperature_granularity!r}")
+        self._check_curriculum()
+
+    def _check_curriculum(self):
+        for key, value, known in (("distribution", self.distribution, DISTRIBUTIONS),
+                                  ("augmentation", self.augmentation, AUGMENTATIONS),
+                                  ("schedule", self.schedule, SCHEDULES)):
+            if value not in known:
+                raise ConfigError(f"generate.{key} must be one of {', '.join(map(repr, known))}, got {value!r}")
+        if self.distribution != "aux" and self.augmentation != "temperature":
+            raise ConfigError(f"generate.augmentation = {self.augmentation!r} needs distribution = 'aux' "
+                              f"(it changes the aux model), got distribution = {self.distribution!r}")
+        if not 0.0 < self.soh_alpha < 1.0:
+            raise ConfigError(f"generate.soh_alpha must be in (0, 1), got {self.soh_alpha}")
+        if not 0.0 <= self.gamma_max <= 1.0:
+            raise ConfigError(f"generate.gamma_max must be in [0, 1], got {self.gamma_max}")
+        if self.augmentation in ("dropout", "attention_dropout") and self.gamma_max == 1.0:
+            raise ConfigError(f"generate.gamma_max is a {self.augmentation} rate here: it must be < 1")
+        if self.schedule == "stepwise" and (self.tau != int(self.tau) or self.tau < 1):
+            raise ConfigError(f"generate.tau is the number of steps of the stepwise schedule: a whole number >= 1, "
+                              f"got {self.tau}")
 
 
 @dataclass
@@ -224,6 +262,8 @@ class RunConfig:
     """Default home of corpus/, aux/, epochs/ and runs/ (relative to the repository)."""
     seed: int = 1234
     """Seed for data splits, masking and sampling."""
+    shared_dir: str = ""
+    """Home of corpus/ and aux/ if not work_dir: the ablations share the tiny preset's, so they share one aux model."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -235,11 +275,11 @@ class RunConfig:
     # Default locations of each stage's output.
     @property
     def corpus_dir(self) -> Path:
-        return Path(self.work_dir) / "corpus"
+        return Path(self.shared_dir or self.work_dir) / "corpus"
 
     @property
     def aux_dir(self) -> Path:
-        return Path(self.work_dir) / "aux"
+        return Path(self.shared_dir or self.work_dir) / "aux"
 
     @property
     def epochs_dir(self) -> Path:

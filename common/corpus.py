@@ -8,6 +8,8 @@ Output folder (published atomically: built under a temporary name, renamed at th
     valid/part-00000.parquet            rows of the held-out documents
     train.tokens.npy, train.offsets.npy the same rows flat, for memory-mapped random access
     valid.tokens.npy, valid.offsets.npy (the generator's actors read rows without loading the corpus)
+    train.term_counts.npy               int64 count of every token id in the train split (term frequency,
+                                        paper section 5.1); made lazily for corpora built before it existed
     corpus.json                         counts, document names, hashes (written last)
     resolved_manifest.toml
 Paper appendix A: sequences respect document boundaries; special tokens are fixed.
@@ -31,6 +33,7 @@ from common.sources import CorpusError, Document, paragraphs, read_source
 from common.tokenizer import CLS_ID, SEP_ID, Tokenizer, train_tokenizer
 
 CORPUS_META = "corpus.json"
+TERM_COUNTS_FILE = "train.term_counts.npy"
 
 
 def pack_document(token_ids: list[int], max_seq_len: int, min_seq_len: int) -> list[list[int]]:
@@ -163,6 +166,7 @@ def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = No
             meta[split] = _write_split(staging, split, rows, cfg.rows_per_part)
         atomic_write_text(staging / "resolved_manifest.toml", dump_toml(config))
         atomic_write_json(staging / CORPUS_META, meta)
+        term_counts(staging)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
@@ -172,6 +176,38 @@ def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = No
     log(f"corpus: train {meta['train']['rows']} rows / {meta['train']['tokens']} tokens, "
         f"valid {meta['valid']['rows']} rows; vocab {tok.vocab_size}; {time.time() - t_start:.1f}s -> {out_dir}")
     return out_dir
+
+
+def count_terms(tokens: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Occurrences of every id in `tokens` (a memory map is read in chunks), int64 (vocab_size,)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(tokens), chunk):
+        counts += np.bincount(np.asarray(tokens[start:start + chunk]), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def term_counts(corpus_dir: str | Path) -> np.ndarray:
+    """Paper section 5.1, term frequency: token counts of the train split, computed once and stored beside
+    the corpus (atomically; a corpus built before this file existed gets it on first use). A stored
+    file is trusted only if it has one count per id and its counts add up to the split's tokens."""
+    corpus_dir = Path(corpus_dir)
+    meta = load_corpus_meta(corpus_dir)
+    path = corpus_dir / TERM_COUNTS_FILE
+    if path.is_file():
+        counts = np.load(path)
+        if counts.shape == (meta["vocab_size"],) and int(counts.sum()) == meta["train"]["tokens"]:
+            return counts
+    rows = SplitRows(corpus_dir, "train")
+    counts = count_terms(rows.tokens, meta["vocab_size"])
+    if int(counts.sum()) != meta["train"]["tokens"]:  # ids past the vocabulary were cut off by count_terms
+        raise CorpusError(f"{corpus_dir}: train tokens hold ids outside the vocabulary; rebuild the corpus")
+    try:
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, counts)
+    except OSError as e:  # a read-only corpus: use the counts without storing them
+        print(f"corpus: could not store {path} ({e}); term counts are recomputed on each use")
+    return counts
 
 
 def load_corpus_meta(corpus_dir: str | Path) -> dict:

@@ -1,4 +1,5 @@
-"""Masking, temperature schedule and sampling: the RTD corruption of paper section 3.
+"""Masking, schedules and sampling: the RTD corruption of paper section 3 and the
+schedule functions of appendix C.
 
 Everything random is drawn from a per-row numpy Generator seeded from
 (seed, epoch, row id), so a row's corruption never depends on batching, worker
@@ -12,6 +13,7 @@ import math
 import numpy as np
 import torch
 
+from common.distributions import sample_temperature
 from common.tokenizer import MASK_ID, SPECIAL_IDS
 
 VALID_EPOCH = 1_000_000  # the "epoch" whose seeds make the held-out validation rows
@@ -22,6 +24,35 @@ def temperature_at(u, t0: float, tau: float):
     if isinstance(u, np.ndarray):
         return 1.0 + (t0 - 1.0) * np.exp(-u / tau)
     return 1.0 + (t0 - 1.0) * math.exp(-u / tau)
+
+
+def exponential_decay(u, gamma_max: float, tau: float):
+    """Paper section 3, eq. (exp-decay), as a strength: gamma(u) = gamma_max exp(-u / tau)."""
+    return gamma_max * np.exp(-np.asarray(u, dtype=np.float64) / tau)
+
+
+def constant(u, gamma_max: float, tau: float):
+    """Appendix C, 'Constant': gamma(u) = gamma_0 (tau unused)."""
+    return np.full(np.shape(u), gamma_max, dtype=np.float64)
+
+
+def polynomial_decay(u, gamma_max: float, tau: float):
+    """Appendix C, 'Polynomial decay': gamma(u) = gamma_max (1 - u)^tau; a larger tau decays faster."""
+    return gamma_max * (1.0 - np.clip(np.asarray(u, dtype=np.float64), 0.0, 1.0)) ** tau
+
+
+def stepwise_decay(u, gamma_max: float, tau: float):
+    """Appendix C, 'Stepwise decay': gamma(u) = gamma_max (1 - floor(u tau) / tau), tau decays."""
+    return gamma_max * (1.0 - np.floor(np.clip(np.asarray(u, dtype=np.float64), 0.0, 1.0) * tau) / tau)
+
+
+SCHEDULE_FUNCTIONS = {"exponential": exponential_decay, "constant": constant,
+                      "polynomial": polynomial_decay, "stepwise": stepwise_decay}
+
+
+def strength_at(u, schedule: str, gamma_max: float, tau: float) -> np.ndarray:
+    """Appendix C: the curriculum's strength gamma at fraction of training u (an array, float64)."""
+    return SCHEDULE_FUNCTIONS[schedule](u, gamma_max, tau)
 
 
 def row_fraction(stream_index: np.ndarray, total_rows: int) -> np.ndarray:
@@ -49,33 +80,11 @@ def choose_masked_positions(input_ids: np.ndarray, mask_prob: float, rng: np.ran
 def sample_replacements(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """x_hat ~ Softmax(log p_aux / T) (paper section 3, eq. 1), in fp32, never a special token.
 
-    logits: (K, V) aux outputs at masked positions (any float dtype); temperature: (K,);
-    uniforms: (K,) in [0, 1), one per position. Inverse-CDF sampling, deterministic.
-    log p_aux = logits - logsumexp(logits), and the constant drops out of the softmax, so
-    Softmax(log p_aux / T) = Softmax(logits / T); the normalisation drops out too, because u
-    is scaled by the total mass instead. Five passes over (K, V) instead of eight (profiled:
-    sampling was 16% of generation time on CPU).
+    logits: (K, V) aux outputs at masked positions (any float dtype, left intact); temperature: (K,);
+    uniforms: (K,) in [0, 1), one per position. Inverse-CDF sampling, deterministic; five passes
+    over (K, V) (see `common.distributions.sample_temperature`).
     """
-    specials = torch.tensor(SPECIAL_IDS, device=logits.device)
-    scaled = logits.float() / temperature.float()[:, None]  # a new tensor: the caller's stays intact
-    scaled.index_fill_(1, specials, float("-inf"))
-    scaled -= scaled.max(dim=-1, keepdim=True).values
-    weights = scaled.exp_()  # unnormalised probabilities, the largest is 1
-    cdf = torch.cumsum(weights, dim=-1)
-    # Scale u by the last cdf entry (the total mass) so rounding in the sum never pushes u past the end.
-    # First index whose cdf exceeds u: its own weight is > 0.
-    targets = (uniforms.double() * cdf[:, -1].double()).float()[:, None]
-    idx = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=logits.shape[1] - 1)
-    # Only rounding at the very end can land past the mass; fall back to the mode there.
-    return _avoid_zero_mass(idx, weights)
-
-
-def _avoid_zero_mass(idx: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    bad = probs.gather(1, idx[:, None]).squeeze(1) <= 0
-    if bad.any():
-        idx = idx.clone()
-        idx[bad] = probs[bad].argmax(dim=-1)
-    return idx
+    return sample_temperature(logits, temperature, uniforms)
 
 
 def rtd_labels(original: np.ndarray, corrupted: np.ndarray) -> np.ndarray:

@@ -9,7 +9,8 @@ Output folder:
     epoch-000/shard-00000.parquet ...      SHARD_SCHEMA rows in training-stream order
     progress.jsonl                         one record per finished shard (resume)
     manifest.json                          per shard: path, rows, tokens, bytes, sha256,
-                                           temperature range; per epoch: statistics. Written last.
+                                           temperature range; per epoch: statistics and
+                                           the curriculum that made it. Written last.
 Inputs are checked before Ray starts; a rerun redoes only shards that are missing
 or whose bytes do not match their record.
 """
@@ -25,11 +26,12 @@ from pathlib import Path
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
 from common.config import ConfigError, RunConfig, config_to_dict, load_manifest, save_resolved
-from common.corpus import SplitRows, load_corpus_meta
+from common.corpus import SplitRows, load_corpus_meta, term_counts
 from common.io import atomic_write_json, remove_stale_tmp, sha256_file
 from common.shards import FORMAT_VERSION, SHARD_SCHEMA
 from common.sources import CorpusError
-from generate.plan import generation_key, plan_tasks, rows_per_epoch
+from generate.plan import curriculum_record, generation_key, plan_tasks, rows_per_epoch
+from generate.worker import needs_term_counts
 
 MANIFEST_FILE = "manifest.json"
 PLAN_FILE = "plan.json"
@@ -52,6 +54,8 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
                           f"valid {corpus['valid']['rows']} rows)")
     for split in ("train", "valid"):
         SplitRows(corpus_dir, split)  # the memory-mapped rows the actors read: present, right size
+    if needs_term_counts(config.generate.distribution, config.generate.augmentation):
+        term_counts(corpus_dir)  # computed once and stored beside the corpus, before the actors read it
     aux = read_aux_meta(aux_path)
     check_aux_matches_tokenizer(aux, aux_path, corpus["vocab_size"], corpus["tokenizer_sha256"],
                                 corpus_dir / "tokenizer.model")
@@ -82,7 +86,9 @@ def verified(record: dict | None, out_dir: Path) -> bool:
     return path.is_file() and path.stat().st_size == record["bytes"] and sha256_file(path) == record["sha256"]
 
 
-def summarize_epochs(records: list[dict], tasks) -> tuple[list[dict], dict]:
+def summarize_epochs(records: list[dict], tasks, curriculum: dict | None = None) -> tuple[list[dict], dict]:
+    """Per-epoch and validation statistics; each epoch records the curriculum that made it and the
+    range of its rows' strength gamma (appendix C), validation rows the aux model at T = 1."""
     by_path = {r["path"]: r for r in records}
     epochs: dict[int, list[dict]] = {}
     valid = []
@@ -102,7 +108,14 @@ def summarize_epochs(records: list[dict], tasks) -> tuple[list[dict], dict]:
             "temperature_max": max(s["temperature_max"] for s in shards),
             "shards": [{k: s[k] for k in shard_fields} for s in shards],
         }
-    return [{"epoch": e, **stats(s)} for e, s in sorted(epochs.items())], stats(valid)
+
+    def made_by(shards):
+        gammas = [(s["gamma_min"], s["gamma_max"]) for s in shards if "gamma_min" in s]
+        if curriculum is None or not gammas:
+            return {}
+        return {"curriculum": {**curriculum, "gamma_range": [min(g[0] for g in gammas), max(g[1] for g in gammas)]}}
+    valid_record = {**stats(valid), "curriculum": {"name": "aux model, T = 1", "distribution": "aux"}}
+    return [{"epoch": e, **stats(s), **made_by(s)} for e, s in sorted(epochs.items())], valid_record
 
 
 def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path, workers: int,
@@ -133,11 +146,13 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     t0 = time.time()
     actor_args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()),
                   "out_dir": str(out_dir.resolve()), "seed": config.seed, "mask_prob": config.generate.mask_prob,
-                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker, "zstd_level": config.generate.zstd_level}
+                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker, "zstd_level": config.generate.zstd_level,
+                  "curriculum": {"distribution": config.generate.distribution, "augmentation": config.generate.augmentation,
+                                 "soh_alpha": config.generate.soh_alpha}}
     records = run_tasks(todo, workers, actor_args, out_dir, address) if todo else []
     seconds = time.time() - t0
     all_records = list(done.values()) + records
-    epochs, valid = summarize_epochs(all_records, tasks)
+    epochs, valid = summarize_epochs(all_records, tasks, curriculum_record(config.generate))
     per_epoch = rows_per_epoch(corpus["train"]["rows"], config.generate)
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -159,10 +174,11 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     atomic_write_json(manifest_path, manifest)
     tokens = sum(r["tokens"] for r in records)
     t_all = [e["temperature_min"] for e in epochs] + [e["temperature_max"] for e in epochs]
+    top1 = f", aux top-1 {epochs[0]['aux_top1']:.3f}" if config.generate.distribution == "aux" else ""
     log(f"generate: {len(records)} shards, {tokens} tokens in {seconds:.1f}s "
-        f"({tokens / max(seconds, 1e-9):.0f} tokens/s); T {min(t_all):.3f}..{max(t_all):.3f}; "
-        f"replaced {epochs[0]['replaced_fraction']:.3f} of masked (epoch 0), aux top-1 {epochs[0]['aux_top1']:.3f} "
-        f"-> {manifest_path}")
+        f"({tokens / max(seconds, 1e-9):.0f} tokens/s); {curriculum_record(config.generate)['name']}; "
+        f"T {min(t_all):.3f}..{max(t_all):.3f}; "
+        f"replaced {epochs[0]['replaced_fraction']:.3f} of masked (epoch 0){top1} -> {manifest_path}")
     return manifest
 
 

@@ -30,12 +30,15 @@ SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard,
 @ray.remote
 class ShardActor:
     def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
-                 batch_tokens: int, threads: int, zstd_level: int):
-        from common.corpus import SplitRows
-        from generate.worker import Corruptor, ShardWriter
+                 batch_tokens: int, threads: int, zstd_level: int, curriculum: dict | None = None):
+        from common.corpus import SplitRows, term_counts
+        from generate.worker import Corruptor, ShardWriter, needs_term_counts
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
-        corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device)
+        curriculum = dict(curriculum or {})  # distribution, augmentation, soh_alpha (GenerateConfig)
+        if needs_term_counts(curriculum.get("distribution", "aux"), curriculum.get("augmentation", "temperature")):
+            curriculum["term_counts"] = term_counts(corpus_dir)  # stored beside the corpus by the driver
+        corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device, **curriculum)
         rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # memory-mapped
         self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level)
         self.device = device

@@ -1,8 +1,10 @@
-"""What the generator must write: the (epoch, shard) tasks, their rows and temperatures.
+"""What the generator must write: the (epoch, shard) tasks, their rows and curriculum.
 
 A pure function of (corpus size, config, seed): the same plan on every machine,
 for any worker count. Paper section 3 / DESIGN.md: T(u) = 1 + (T0-1) exp(-u/tau)
 with u = global row index in the training stream / total rows of all epochs.
+Appendix C: any schedule gives each row a strength gamma(u); temperature scaling
+uses T = 1 + gamma, the other curricula gamma itself (and T = 1).
 """
 from __future__ import annotations
 
@@ -11,9 +13,14 @@ import json
 
 import numpy as np
 
-from common.config import GenerateConfig
-from common.curriculum import VALID_EPOCH, row_fraction, temperature_at
+from common.config import ConfigError, GenerateConfig
+from common.curriculum import VALID_EPOCH, row_fraction, strength_at
 from generate.worker import ShardTask
+
+
+# The only curriculum before these settings existed (temperature scaling, exponential decay).
+LEGACY_CURRICULUM = {"distribution": "aux", "augmentation": "temperature", "schedule": "exponential",
+                     "gamma_max": 1.0, "soh_alpha": 0.35}
 
 
 def rows_per_epoch(num_train_rows: int, cfg: GenerateConfig) -> int:
@@ -25,17 +32,69 @@ def epoch_order(num_train_rows: int, epoch: int, num_rows: int, seed: int) -> np
     return np.random.default_rng([seed, epoch, 0xE90C]).permutation(num_train_rows)[:num_rows]
 
 
-def epoch_temperatures(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int) -> np.ndarray:
-    """Temperature of each row: per row (default) or, the paper's coarser option, per epoch."""
+INTERPOLATIONS = ("uniform_to_soh", "tf_to_soh")
+
+
+def scales_temperature(cfg: GenerateConfig) -> bool:
+    """The paper's own curriculum: the aux model's output at a scheduled temperature."""
+    return cfg.distribution == "aux" and cfg.augmentation == "temperature"
+
+
+def has_schedule(cfg: GenerateConfig) -> bool:
+    return cfg.distribution in ("aux", *INTERPOLATIONS)
+
+
+def epoch_curriculum(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int):
+    """(temperatures, gammas) of each row (appendix C). u per row (default) or, the paper's coarser
+    option, per epoch. Temperature scaling: T = 1 + gamma(u) with gamma_max = T0 - 1 (eq. exp-decay);
+    other curricula: T = 1 and gamma(u) from gamma_max; no aux model and no interpolation: gamma = 0."""
     if cfg.temperature_granularity == "row":
         u = row_fraction(stream_index, total_rows)
     else:
         u = np.full(len(stream_index), epoch / cfg.epochs, dtype=np.float64)
-    return temperature_at(u, cfg.t0, cfg.tau)
+    if scales_temperature(cfg):
+        gammas = strength_at(u, cfg.schedule, cfg.t0 - 1.0, cfg.tau)
+        return 1.0 + gammas, gammas
+    gammas = strength_at(u, cfg.schedule, cfg.gamma_max, cfg.tau) if has_schedule(cfg) else np.zeros(len(u))
+    return np.ones(len(u)), gammas
+
+
+def epoch_temperatures(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int) -> np.ndarray:
+    """Temperature of each row, for callers that corrupt with temperature scaling only (fast-online)."""
+    if not scales_temperature(cfg):
+        raise ConfigError(f"this path corrupts by temperature scaling only; generate.distribution = "
+                          f"{cfg.distribution!r}, augmentation = {cfg.augmentation!r} needs the generator's shards")
+    return epoch_curriculum(cfg, epoch, stream_index, total_rows)[0]
+
+
+def curriculum_record(cfg: GenerateConfig) -> dict:
+    """What made an epoch's replacements, for manifest.json (paper section 5 / appendix C names)."""
+    if cfg.distribution != "aux":
+        name = {"uniform": "uniform", "term_frequency": "term frequency", "smoothed_one_hot": "smoothed one-hot",
+                "uniform_to_soh": "UNF -> SOH", "tf_to_soh": "TF -> SOH"}[cfg.distribution]
+    elif scales_temperature(cfg) and cfg.schedule == "constant" and cfg.t0 == 1.0:
+        name = "fixed aux model (T = 1)"
+    else:
+        name = "aux model, " + {"temperature": "temperature scaling", "tf_interpolation": "log interpolation with TF",
+                                "dropout": "dropout", "attention_dropout": "attention dropout",
+                                "drop_token": "drop token"}[cfg.augmentation]
+    record = {"name": name, "distribution": cfg.distribution}
+    if cfg.distribution == "aux":
+        record["augmentation"] = cfg.augmentation
+    if has_schedule(cfg):
+        gamma_max = cfg.t0 - 1.0 if scales_temperature(cfg) else cfg.gamma_max
+        record.update(schedule=cfg.schedule, gamma_max=gamma_max, tau=cfg.tau,
+                      granularity=cfg.temperature_granularity)
+        if not record["name"].startswith("fixed"):
+            record["name"] += f", {cfg.schedule} schedule"
+    if "soh" in cfg.distribution:
+        record["soh_alpha"] = cfg.soh_alpha
+    return record
 
 
 def plan_tasks(num_train_rows: int, num_valid_rows: int, cfg: GenerateConfig, seed: int) -> list[ShardTask]:
-    """Validation shard first (T = 1), then every epoch's shards in stream order."""
+    """Validation shard first (the aux model at T = 1 whatever the curriculum, so every variant is
+    scored on the same rows), then every epoch's shards in stream order."""
     per_epoch = rows_per_epoch(num_train_rows, cfg)
     total = cfg.epochs * per_epoch
     valid_count = min(cfg.valid_rows, num_valid_rows) if cfg.valid_rows else num_valid_rows
@@ -49,16 +108,21 @@ def plan_tasks(num_train_rows: int, num_valid_rows: int, cfg: GenerateConfig, se
         for shard, start in enumerate(range(0, per_epoch, cfg.rows_per_shard)):
             ids = order[start:start + cfg.rows_per_shard]
             stream = epoch * per_epoch + start + np.arange(len(ids))
-            tasks.append(ShardTask(epoch, shard, "train", int(stream[0]), ids,
-                                   epoch_temperatures(cfg, epoch, stream, total),
-                                   f"epoch-{epoch:03d}/shard-{shard:05d}.parquet"))
+            temperatures, gammas = epoch_curriculum(cfg, epoch, stream, total)
+            tasks.append(ShardTask(epoch, shard, "train", int(stream[0]), ids, temperatures,
+                                   f"epoch-{epoch:03d}/shard-{shard:05d}.parquet", gammas))
     return tasks
 
 
 def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256: str) -> str:
-    """Everything a shard's bytes depend on (DESIGN.md, determinism), hashed."""
+    """Everything a shard's bytes depend on (DESIGN.md, determinism), hashed. The curriculum settings
+    are left out while they equal the values that reproduce the shards made before they existed,
+    so those folders stay valid."""
     import dataclasses
     generate = dataclasses.asdict(cfg)  # threads_per_worker included: CPU kernels may round differently
+    for key, value in LEGACY_CURRICULUM.items():
+        if generate[key] == value:
+            del generate[key]
     parts = {split: [p["sha256"] for p in corpus_meta[split]["parts"]] for split in ("train", "valid")}
     blob = {"seed": seed, "generate": generate, "tokenizer": corpus_meta["tokenizer_sha256"],
             "corpus_parts": parts, "aux": aux_sha256}

@@ -1,0 +1,150 @@
+"""Replaced-token distributions and the one sampler they share (paper sections 3, 5.1, appendix C).
+
+Every distribution is a (K, V) tensor of fp32 log-weights, one row per masked position,
+defined up to a constant per row: the sampler normalises them (so interpolations are
+renormalised there), gives special tokens zero mass and draws one token per row by
+inverse CDF with the row's own uniform. Special tokens are outside every distribution:
+"the vocabulary" below means its V - 5 non-special tokens, so a sample is never
+[PAD] ... [MASK].
+
+The paper's own path, `sample_temperature`, is five passes over (K, V): since
+log p_aux = logits - logsumexp(logits), Softmax(log p_aux / T) = Softmax(logits / T),
+and the normalisation is folded into u. Rows that come out without mass there (an
+fp16/bf16 overflow, NaN logits, an extreme T) are redone in a stable form: NaN logits
+count as -inf, +inf as the largest float, T is clamped to [1e-30, 1e30], log-softmax
+first; a row with nothing left is sampled uniformly. 0 * log 0 is taken as 0.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from common.tokenizer import SPECIAL_IDS
+
+TEMPERATURE_RANGE = (1e-30, 1e30)
+assert SPECIAL_IDS == tuple(range(len(SPECIAL_IDS)))  # the special tokens are the first columns
+
+
+def _specials(device) -> torch.Tensor:
+    return torch.tensor(SPECIAL_IDS, device=device)
+
+
+def non_special(vocab_size: int, device="cpu") -> torch.Tensor:
+    """Bool (V,): True for the tokens a replacement may be."""
+    keep = torch.ones(vocab_size, dtype=torch.bool, device=device)
+    keep[list(SPECIAL_IDS)] = False
+    return keep
+
+
+def aux_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log p_aux over the non-special tokens, fp32, from aux logits of any float dtype (paper eq. 1)."""
+    x = logits.float().index_fill(1, _specials(logits.device), float("-inf"))  # a new tensor
+    if not torch.isfinite(x[:, len(SPECIAL_IDS):]).all():  # an fp16/bf16 overflow or a broken model
+        x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+        dead = ~torch.isfinite(x).any(dim=-1)
+        if dead.any():
+            x[dead] = torch.where(non_special(x.shape[1], x.device), 0.0, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def temperature_scaled(log_p: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Paper section 3, eq. 1: log p / T, one T per row (a new tensor; normalised by the sampler)."""
+    t = temperature.float()
+    if torch.isnan(t).any():
+        raise ValueError("a temperature is NaN")
+    return log_p / t.clamp(*TEMPERATURE_RANGE)[:, None]
+
+
+def uniform_log_probs(num_rows: int, vocab_size: int, device="cpu") -> torch.Tensor:
+    """Paper section 5.1, 'Uniform': 1 / |V| on every non-special token."""
+    row = torch.where(non_special(vocab_size, device), -math.log(vocab_size - len(SPECIAL_IDS)), float("-inf"))
+    return row.repeat(num_rows, 1)
+
+
+def term_frequency_log_probs(counts: np.ndarray, device="cpu") -> torch.Tensor:
+    """Paper section 5.1, 'Term frequency': each token's share of the training corpus, (V,) fp32.
+    Special tokens are left out; a token the corpus never holds gets -inf (zero mass)."""
+    counts = np.asarray(counts, dtype=np.float64).copy()
+    counts[list(SPECIAL_IDS)] = 0.0
+    if counts.sum() <= 0:
+        raise ValueError("the term counts hold no non-special token")
+    with np.errstate(divide="ignore"):
+        return torch.from_numpy(np.log(counts / counts.sum())).float().to(device)
+
+
+def smoothed_one_hot_log_probs(originals: torch.Tensor, vocab_size: int, alpha: float) -> torch.Tensor:
+    """Paper section 5.1, 'Smoothed one-hot': 1 - alpha on the original token, alpha / (|V| - 1)
+    on each other non-special token. `originals`: (K,) token ids, never special."""
+    rest = math.log(alpha / (vocab_size - len(SPECIAL_IDS) - 1))
+    out = uniform_log_probs(len(originals), vocab_size, originals.device)
+    out[out > float("-inf")] = rest
+    out.scatter_(1, originals.long()[:, None], math.log(1.0 - alpha))
+    return out
+
+
+def log_interpolation(log_easy: torch.Tensor, log_hard: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """Appendix C: p_easy^gamma * p_hard^(1-gamma) in log space, one gamma per row (K,); renormalised
+    by the sampler. Used for TF -> aux (augmentation), UNF -> SOH and TF -> SOH (appendix B).
+    0 * log 0 counts as 0, so gamma = 0 gives p_hard and gamma = 1 gives p_easy exactly."""
+    g = gamma.float().to(log_hard.device)[:, None]
+    easy = torch.where(g > 0, g * log_easy, 0.0)
+    hard = torch.where(g < 1, (1.0 - g) * log_hard, 0.0)
+    return easy + hard
+
+
+def _uniform_rows(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    probs = probs.clone()
+    keep = non_special(probs.shape[1], probs.device)
+    probs[rows] = keep.float() / keep.sum()
+    return probs
+
+
+def replacement_probs(log_weights: torch.Tensor) -> torch.Tensor:
+    """The distribution a row of log-weights stands for: softmax in fp32, zero on special tokens,
+    uniform where nothing is left. Rows sum to 1."""
+    x = log_weights.float().index_fill(1, _specials(log_weights.device), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    dead = ~(probs.sum(dim=-1) > 0)  # NaN or no mass
+    return _uniform_rows(probs, dead) if dead.any() else probs
+
+
+def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, rows without mass). Five passes over (K, V), in place on `log_weights`."""
+    log_weights.index_fill_(1, _specials(log_weights.device), float("-inf"))
+    log_weights -= log_weights.max(dim=-1, keepdim=True).values
+    weights = log_weights.exp_()  # unnormalised probabilities, the largest is 1
+    cdf = torch.cumsum(weights, dim=-1)
+    # Scale u by the last cdf entry (the total mass) so rounding in the sum never pushes u past the end.
+    # First index whose cdf exceeds u: its own weight is > 0.
+    targets = (uniforms.double() * cdf[:, -1].double()).float()[:, None]
+    idx = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=weights.shape[1] - 1)
+    # Only rounding at the very end can land past the mass; fall back to the mode there.
+    bad = weights.gather(1, idx[:, None]).squeeze(1) <= 0
+    if bad.any():
+        idx = idx.clone()
+        idx[bad] = weights[bad].argmax(dim=-1)
+    return idx, ~(cdf[:, -1] > 0)  # NaN (inf - inf, a NaN input) or no mass at all
+
+
+def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of (K, V) fp32 log-weights, by inverse CDF with `uniforms` (K,) in [0, 1).
+    Deterministic, never a special token, always in [0, V); a row without mass is sampled uniformly.
+    `log_weights` is overwritten."""
+    idx, dead = _inverse_cdf(log_weights, uniforms)
+    if dead.any():
+        flat = torch.where(non_special(log_weights.shape[1], log_weights.device), 0.0, float("-inf"))
+        idx[dead] = _inverse_cdf(flat.repeat(int(dead.sum()), 1), uniforms[dead])[0]
+    return idx
+
+
+def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Paper section 3, eq. 1: x_hat ~ Softmax(log p_aux / T) = Softmax(logits / T), one T per row.
+    `logits` (any float dtype) are left intact; rows the fast form leaves without mass are redone
+    from the stable log p_aux."""
+    idx, dead = _inverse_cdf(temperature_scaled(logits.float(), temperature), uniforms)
+    if dead.any():
+        stable = temperature_scaled(aux_log_probs(logits[dead]), temperature[dead])
+        idx[dead] = sample_from_log_weights(stable, uniforms[dead])
+    return idx

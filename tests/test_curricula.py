@@ -1,0 +1,134 @@
+"""Every curriculum through the generator's own Corruptor, on the fixture corpus and 2-layer aux
+(paper section 5.1, appendix C): the label rule, no special / out-of-range replacement at extreme
+strengths, determinism, and the default path left exactly as it was."""
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from common.checkpoint import AUX_FILE
+from common.config import GenerateConfig
+from common.corpus import TERM_COUNTS_FILE, load_corpus_meta, load_split, term_counts
+from common.tokenizer import SPECIAL_IDS
+from generate.plan import LEGACY_CURRICULUM, generation_key
+from generate.worker import Corruptor
+
+CURRICULA = [
+    ("aux", "temperature", 1.0), ("aux", "tf_interpolation", 1.0), ("aux", "dropout", 0.9),
+    ("aux", "attention_dropout", 0.9), ("aux", "drop_token", 1.0), ("uniform", "temperature", 1.0),
+    ("term_frequency", "temperature", 1.0), ("smoothed_one_hot", "temperature", 1.0),
+    ("uniform_to_soh", "temperature", 1.0), ("tf_to_soh", "temperature", 1.0),
+]
+
+
+def _corruptor(built, distribution="aux", augmentation="temperature", gamma_max=1.0):
+    cfg = GenerateConfig(distribution=distribution, augmentation=augmentation, gamma_max=gamma_max,
+                         mask_prob=0.15, batch_tokens=200)
+    return Corruptor.from_config(built.aux_dir / AUX_FILE, 3, cfg, built.corpus_dir)
+
+
+def _check_rows(rows, out, vocab):
+    for original, corrupted, labels in zip(rows, out["input_ids"], out["labels"]):
+        assert np.array_equal(labels, (corrupted != original).astype(np.int8))
+        special = np.isin(original, SPECIAL_IDS)
+        assert np.array_equal(corrupted[special], original[special])
+        assert not np.isin(corrupted[~special], SPECIAL_IDS).any() and corrupted.max() < vocab
+
+
+@pytest.mark.parametrize("distribution,augmentation,top", CURRICULA)
+def test_every_curriculum_keeps_the_rules_at_extreme_strengths(built, distribution, augmentation, top):
+    rows = load_split(built.corpus_dir, "train")[:24]
+    vocab = load_corpus_meta(built.corpus_dir)["vocab_size"]
+    corruptor = _corruptor(built, distribution, augmentation, top)
+    ids = np.arange(24)
+    gammas = np.resize([0.0, 1e-9, 0.5, top], 24)
+    temps = 1.0 + gammas if augmentation == "temperature" and distribution == "aux" else np.ones(24)
+    out = corruptor(rows, ids, epoch=0, temperatures=temps, gammas=gammas)
+    _check_rows(rows, out, vocab)
+    again = corruptor(rows, ids, epoch=0, temperatures=temps, gammas=gammas)
+    assert all(np.array_equal(a, b) for a, b in zip(out["input_ids"], again["input_ids"]))
+    assert out["masked"] > 0 and (out["aux_top1"] == 0) == (distribution != "aux")
+    # without gammas (the validation rows) every curriculum is the plain aux model at the given T
+    plain = _corruptor(built)(rows, ids, epoch=0, temperatures=np.ones(24))
+    valid = corruptor(rows, ids, epoch=0, temperatures=np.ones(24))
+    assert all(np.array_equal(a, b) for a, b in zip(plain["input_ids"], valid["input_ids"]))
+
+
+def test_strength_zero_of_dropout_and_drop_token_is_the_plain_aux_model(built):
+    """Drop-token draws come after a row's other draws and dropout at rate 0 multiplies by 1: the
+    masked positions and samples of the default path are untouched."""
+    rows = load_split(built.corpus_dir, "train")[:30]
+    ids, ones = np.arange(30), np.ones(30)
+    plain = _corruptor(built)(rows, ids, 1, ones)
+    for augmentation in ("dropout", "drop_token"):
+        out = _corruptor(built, "aux", augmentation, 0.5)(rows, ids, 1, ones, gammas=np.zeros(30))
+        assert all(np.array_equal(a, b) for a, b in zip(plain["input_ids"], out["input_ids"])), augmentation
+    default = _corruptor(built)
+    temps = np.linspace(2.0, 1.0, 30)
+    with_gammas = default(rows, ids, 1, temps, gammas=temps - 1.0)
+    assert all(np.array_equal(a, b) for a, b in zip(default(rows, ids, 1, temps)["input_ids"], with_gammas["input_ids"]))
+
+
+def test_model_free_distributions_replace_as_often_as_they_should(built):
+    rows = load_split(built.corpus_dir, "train")
+    n = len(rows)
+    ids, ones = np.arange(n), np.ones(n)
+    rate = lambda out: out["replaced"] / out["masked"]
+    assert rate(_corruptor(built, "uniform")(rows, ids, 0, ones, np.zeros(n))) > 0.98
+    soh = _corruptor(built, "smoothed_one_hot")(rows, ids, 0, ones, np.zeros(n))
+    assert abs(rate(soh) - 0.35) < 0.05 and soh["masked"] > 400  # alpha = 0.35 of the mass elsewhere
+    unf_to_soh = _corruptor(built, "uniform_to_soh")
+    easy, hard = (rate(unf_to_soh(rows, ids, 0, ones, np.full(n, g))) for g in (1.0, 0.0))
+    assert easy > 0.98 and abs(hard - 0.35) < 0.05
+
+
+def test_a_rows_corruption_does_not_depend_on_the_other_rows(built):
+    """Per-row draws (masking, uniforms, drop-token positions) come from the row's own rng; with no aux
+    model the whole corruption is per row. (The aux forward depends on its batch only by rounding.)"""
+    rows = load_split(built.corpus_dir, "train")[:40]
+    ids, gammas = np.arange(40), np.linspace(0.9, 0.1, 40)
+    c = _corruptor(built, "tf_to_soh")
+    full = c(rows, ids, 2, np.ones(40), gammas)
+    half = c(rows[10:30], ids[10:30], 2, np.ones(20), gammas[10:30])
+    assert all(np.array_equal(a, b) for a, b in zip(full["input_ids"][10:30], half["input_ids"]))
+
+    def aux_inputs(lo, hi):
+        _, _, batches = _corruptor(built, "aux", "drop_token").masked_batches(rows[lo:hi], ids[lo:hi], 2, gammas[lo:hi])
+        return {lo + int(i): row[:len(rows[lo + int(i)])].numpy() for b, t, _, _ in batches for i, row in zip(b, t)}
+    full, half = aux_inputs(0, 40), aux_inputs(10, 30)
+    assert all(np.array_equal(full[i], half[i]) for i in range(10, 30))
+    assert sum(int((full[i] == 1).sum()) for i in full) > 40  # [UNK]s were dropped in
+
+
+def test_term_counts_are_stored_beside_the_corpus_and_rebuilt_when_missing_or_stale(built):
+    path = built.corpus_dir / TERM_COUNTS_FILE
+    counts = term_counts(built.corpus_dir)
+    assert path.is_file()  # written by build_corpus
+    expected = np.bincount(np.concatenate(load_split(built.corpus_dir, "train")), minlength=len(counts))
+    assert np.array_equal(counts, expected)
+    stored = path.read_bytes()
+    try:
+        path.unlink()  # a corpus built before the file existed
+        assert np.array_equal(term_counts(built.corpus_dir), expected) and path.read_bytes() == stored
+        np.save(path, expected[:-1])  # stale: the wrong size
+        assert np.array_equal(term_counts(built.corpus_dir), expected) and path.read_bytes() == stored
+    finally:
+        path.write_bytes(stored)
+    with pytest.raises(ValueError, match="needs term counts"):
+        Corruptor(built.aux_dir / AUX_FILE, 3, 0.15, 200, distribution="term_frequency")
+
+
+def test_generation_key_of_the_default_curriculum_is_unchanged_and_others_differ(built):
+    meta = load_corpus_meta(built.corpus_dir)
+    cfg = GenerateConfig()
+    # the key as computed before the curriculum settings existed
+    before = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LEGACY_CURRICULUM}
+    parts = {split: [p["sha256"] for p in meta[split]["parts"]] for split in ("train", "valid")}
+    blob = {"seed": 1, "generate": before, "tokenizer": meta["tokenizer_sha256"], "corpus_parts": parts, "aux": "x"}
+    assert generation_key(1, cfg, meta, "x") == hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    keys = {generation_key(1, GenerateConfig(**change), meta, "x") for change in (
+        {}, {"schedule": "constant"}, {"distribution": "uniform"}, {"augmentation": "drop_token", "gamma_max": 0.2},
+        {"soh_alpha": 0.3}, {"gamma_max": 0.5})}
+    assert len(keys) == 6

@@ -1,0 +1,153 @@
+"""Replaced-token distributions and the sampler (paper section 3, section 5.1, appendix C):
+the footnote identity, smoothed one-hot mass, normalisation in fp32, and no NaN / special /
+out-of-range sample at any temperature or gamma, in fp32, fp16 and bf16."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from common.curriculum import sample_replacements
+from common.distributions import (aux_log_probs, log_interpolation, replacement_probs, sample_from_log_weights,
+                                  sample_temperature, smoothed_one_hot_log_probs, temperature_scaled,
+                                  term_frequency_log_probs, uniform_log_probs)
+from common.tokenizer import SPECIAL_IDS
+
+V = 60
+NUM_SPECIAL = len(SPECIAL_IDS)
+
+
+def _logits(rows=32, scale=4.0, seed=0, dtype=torch.float32):
+    return (torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _counts(seed=1):
+    counts = np.random.default_rng(seed).zipf(1.3, size=V).astype(np.int64)
+    counts[[7, 20]] = 0  # tokens the corpus never holds
+    counts[list(SPECIAL_IDS)] = 1000  # [CLS] / [SEP] are counted in the corpus, never a replacement
+    return counts
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.2, 0.5, 0.9, 0.999])
+def test_log_interpolation_with_uniform_is_temperature_scaling(gamma):
+    """Appendix C footnote: gamma log p_UNF + (1 - gamma) log p_aux = (1/T) log p_aux + const, T = 1/(1-gamma)."""
+    log_p = aux_log_probs(_logits())
+    g = torch.full((len(log_p),), gamma)
+    interpolated = replacement_probs(log_interpolation(uniform_log_probs(1, V)[0], log_p, g))
+    tempered = replacement_probs(temperature_scaled(log_p, torch.full((len(log_p),), 1.0 / (1.0 - gamma))))
+    assert torch.allclose(interpolated, tempered, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("alpha", [0.35, 0.01, 0.9])
+def test_smoothed_one_hot_puts_one_minus_alpha_on_the_original(alpha):
+    originals = torch.tensor([5, 6, 33, V - 1])
+    probs = replacement_probs(smoothed_one_hot_log_probs(originals, V, alpha))
+    rows = torch.arange(len(originals))
+    assert probs.dtype == torch.float32
+    assert torch.allclose(probs[rows, originals], torch.full((4,), 1.0 - alpha), atol=1e-6, rtol=0)
+    others = probs.clone()
+    others[rows, originals] = 0
+    assert (others[:, list(SPECIAL_IDS)] == 0).all()
+    rest = others[:, NUM_SPECIAL:]
+    expected = alpha / (V - NUM_SPECIAL - 1)
+    assert torch.allclose(rest[rest > 0], torch.tensor(expected), rtol=1e-5)
+    assert int((rest > 0).sum()) == 4 * (V - NUM_SPECIAL - 1)
+
+
+def test_samples_follow_smoothed_one_hot_and_term_frequency():
+    n = 20000
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    soh = sample_from_log_weights(smoothed_one_hot_log_probs(torch.full((n,), 9), V, 0.35), u)
+    assert abs(float((soh == 9).double().mean()) - 0.65) < 0.015
+    counts = _counts()
+    tf = sample_from_log_weights(term_frequency_log_probs(counts).expand(n, V).clone(), u)
+    freq = torch.bincount(tf, minlength=V).double() / n
+    expected = counts.astype(np.float64)
+    expected[list(SPECIAL_IDS)] = 0
+    assert torch.allclose(freq, torch.from_numpy(expected / expected.sum()), atol=0.015)
+    assert not torch.isin(tf, torch.tensor([7, 20, *SPECIAL_IDS])).any()
+
+
+def _all_distributions(gamma: float) -> dict:
+    logits = _logits(rows=8)
+    g = torch.full((8,), gamma)
+    originals = torch.arange(8) + 10
+    log_tf = term_frequency_log_probs(_counts())
+    soh = smoothed_one_hot_log_probs(originals, V, 0.35)
+    unf = uniform_log_probs(8, V)
+    return {
+        "uniform": unf, "term_frequency": log_tf.expand(8, V), "smoothed_one_hot": soh,
+        "uniform_to_soh": log_interpolation(unf[0], soh, g), "tf_to_soh": log_interpolation(log_tf, soh, g),
+        "temperature": temperature_scaled(aux_log_probs(logits), 1.0 + g),
+        "tf_interpolation": log_interpolation(log_tf, aux_log_probs(logits), g),
+    }
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1e-12, 0.3, 1.0 - 1e-7, 1.0])
+def test_every_distribution_sums_to_one_in_fp32_with_no_mass_on_specials(gamma):
+    for name, log_w in _all_distributions(gamma).items():
+        probs = replacement_probs(log_w)
+        assert probs.dtype == torch.float32, name
+        assert torch.isfinite(probs).all(), name
+        assert torch.allclose(probs.sum(-1), torch.ones(len(probs)), atol=1e-5), name
+        assert (probs[:, list(SPECIAL_IDS)] == 0).all(), name
+
+
+def test_interpolation_end_points_are_exact_even_with_zero_mass():
+    log_tf = term_frequency_log_probs(_counts())  # -inf at the never-seen tokens
+    soh = smoothed_one_hot_log_probs(torch.tensor([10, 11]), V, 0.35)
+    assert torch.equal(log_interpolation(log_tf, soh, torch.zeros(2)), soh)
+    assert torch.equal(log_interpolation(log_tf, soh, torch.ones(2)), log_tf.expand(2, V))
+    middle = log_interpolation(log_tf, soh, torch.full((2,), 0.5))
+    assert not torch.isnan(middle).any() and (middle[:, [7, 20]] == float("-inf")).all()
+
+
+def _nasty_logits(dtype):
+    x = _logits(rows=64, scale=30.0, seed=5, dtype=torch.float32)
+    big = torch.finfo(dtype).max
+    x[0] = -float("inf")                      # no finite logit at all
+    x[1] = float("nan")                       # a broken model
+    x[2, 30] = float("inf")                   # fp16 overflow to +inf
+    x[3, [11, 40]] = float("inf")             # two of them
+    x[4, 12] = float("nan")                   # one NaN among finite logits
+    x[5] = -big                               # all equal and hugely negative
+    x[6, 8], x[6, 9] = big, -big              # extreme spread
+    x[7, list(SPECIAL_IDS)] = big             # the aux model loves [MASK]
+    x[8, NUM_SPECIAL:] = -float("inf")        # mass only on specials
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.0, 1e-30, 1e-6, 1e-3, 1.0, 2.0, 1e6, 1e30, math.inf])
+def test_sampling_at_any_temperature_is_in_range_and_never_special(dtype, temperature):
+    logits = _nasty_logits(dtype)
+    keep = logits.clone()
+    u = torch.rand(len(logits), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    u[:3] = torch.tensor([0.0, 1 - 1e-16, 0.5], dtype=torch.float64)
+    t = torch.full((len(logits),), temperature)
+    for out in (sample_temperature(logits, t, u), sample_replacements(logits, t, u)):
+        assert out.dtype == torch.long and out.min() >= 0 and out.max() < V
+        assert not torch.isin(out, torch.tensor(SPECIAL_IDS)).any()
+        assert out[2] == 30 and int(out[3]) in (11, 40)  # an overflowed logit is the mode, not a NaN row
+    assert torch.equal(logits.isnan(), keep.isnan()) and torch.equal(logits.nan_to_num(), keep.nan_to_num())
+    probs = replacement_probs(temperature_scaled(aux_log_probs(logits), t))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(len(probs)), atol=1e-5)
+    if temperature == 1.0:  # where the fast form is finite, the stable one agrees with it
+        assert out[20] == sample_from_log_weights(aux_log_probs(logits[20:21]), u[20:21])[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("gamma", [0.0, 1e-30, 0.5, 1.0 - 1e-7, 1.0])
+def test_sampling_at_any_gamma_is_in_range_and_never_special(dtype, gamma):
+    log_p = aux_log_probs(_nasty_logits(dtype))
+    g = torch.full((len(log_p),), gamma)
+    originals = torch.arange(len(log_p)) % (V - NUM_SPECIAL) + NUM_SPECIAL
+    log_tf = term_frequency_log_probs(_counts())
+    u = torch.rand(len(log_p), dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for log_w in (log_interpolation(log_tf, log_p, g),
+                  log_interpolation(uniform_log_probs(1, V)[0], log_p, g),
+                  log_interpolation(log_tf, smoothed_one_hot_log_probs(originals, V, 0.35), g)):
+        probs = replacement_probs(log_w)
+        assert torch.isfinite(probs).all() and (probs[:, list(SPECIAL_IDS)] == 0).all()
+        out = sample_from_log_weights(log_w.clone(), u)
+        assert out.min() >= NUM_SPECIAL and out.max() < V
