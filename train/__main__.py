@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from common.batching import attention_mask
 from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
-from common.config import ConfigError, config_to_dict, load_manifest, save_resolved
+from common.config import ConfigError, config_from_dict, config_to_dict, load_manifest, save_resolved
 from common.io import atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
@@ -145,7 +145,7 @@ def train(args) -> dict:
         if state["data_manifest_sha256"] != manifest_hash:
             raise IncompatibleInputs(f"checkpoint {path} was trained on a data manifest with sha256 "
                                      f"{state['data_manifest_sha256'][:12]}, {data_dir} has {manifest_hash[:12]}")
-        if state["config"] != config_to_dict(config):
+        if config_to_dict(config_from_dict(state["config"])) != config_to_dict(config):  # defaults of newer keys filled in
             raise IncompatibleInputs(f"checkpoint {path} was made with another config; use a new --out")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -19,7 +19,7 @@ from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, r
 from common.config import RunConfig
 from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import VALID_EPOCH
-from generate.plan import epoch_order, epoch_temperatures, generation_key, rows_per_epoch
+from generate.plan import epoch_curriculum, epoch_order, generation_key, rows_per_epoch
 from generate.worker import Corruptor
 
 
@@ -53,14 +53,14 @@ class OnlineStream:
             end = min(stop, (epoch + 1) * self.per_epoch)
             stream = np.arange(position, end, dtype=np.int64)
             row_ids = self._order(epoch)[stream - epoch * self.per_epoch]
-            temperatures = epoch_temperatures(self.cfg, epoch, stream, self.num_rows)
+            temperatures, gammas = epoch_curriculum(self.cfg, epoch, stream, self.num_rows)  # any curriculum
             originals = [self.corpus[int(i)] for i in row_ids]
             if self.corruptor is None:
                 out["input_ids"] += originals
                 out["row_id"] += row_ids.tolist()
                 out["epoch"] += [epoch] * len(row_ids)
             else:
-                corrupted = self.corruptor(originals, row_ids, epoch, temperatures)
+                corrupted = self.corruptor(originals, row_ids, epoch, temperatures, gammas)
                 out["input_ids"] += corrupted["input_ids"]
                 out["labels"] += [label.astype(bool) for label in corrupted["labels"]]
             out["temperature"].append(temperatures.astype(np.float32))
@@ -92,7 +92,7 @@ def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: 
         raise IncompatibleInputs(f"corpus {corpus_dir} has vocabulary {meta['vocab_size']} / sequence length "
                                  f"{meta['max_seq_len']}, the manifest {config.tokenizer.vocab_size} / {config.corpus.max_seq_len}")
     g = config.generate
-    corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device)
+    corruptor = Corruptor.from_config(aux_path, config.seed, g, corpus_dir, device=device)
     stream = OnlineStream(config, corpus_dir, corruptor if corrupt else None)
     valid_rows = SplitRows(corpus_dir, "valid")
     count = min(g.valid_rows, len(valid_rows)) if g.valid_rows else len(valid_rows)
