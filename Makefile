@@ -22,11 +22,11 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor clean help
+.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
 
 help:
 	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune"
-	@echo "make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
+	@echo "make plots | make ablations | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -59,6 +59,14 @@ sweep: setup $(DATA_DIR)/manifest.json
 
 $(DATA_DIR)/manifest.json:
 	$(MAKE) generate-epochs MANIFEST=$(MANIFEST) DATA=$(DATA_DIR)
+
+# The paper's curricula: schedules and replaced-token distributions drawn as PNG; every ablation in turn.
+plots: aux
+	$(PY) -m generate.plots --manifest $(MANIFEST)
+
+ABLATIONS ?= $(wildcard manifests/ablations/*.toml)
+ablations: setup
+	@for m in $(ABLATIONS); do $(MAKE) train MANIFEST=$$m || exit 1; done
 
 # Fine-tuning (train/finetune.py): the newest checkpoint of RUN on TASK; -floor: random init, same shape.
 task: setup
