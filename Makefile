@@ -22,11 +22,11 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
+.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
 
 help:
 	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune"
-	@echo "make plots | make ablations | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
+	@echo "make plots | make ablations | make bench | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -77,6 +77,9 @@ finetune: train
 
 finetune-floor: setup
 	$(PY) -m train.finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS)
+
+# All benchmarks (ratios measured in one run each; results in bench/results/).
+bench: bench-generate bench-train bench-efficiency bench-flops
 
 bench-generate: generate-epochs
 	$(PY) -m bench.generate --manifest $(MANIFEST) --data $(DATA_DIR)
