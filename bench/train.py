@@ -7,6 +7,8 @@ same model's forward+backward on in-memory tensors (the limit)"):
   step_ratio       median seconds per update reading the shards exactly as `train/__main__.py`
                    does (reader thread one step ahead, sha256 on first open, Parquet decode,
                    padding) / the same update on one batch held in memory            target <= 1.03
+  data_path        seconds the update waits for its rows (reader thread) and padding: the data
+                   path's own cost, free of the step-to-step noise of the ratio above
   loader_ratio     tokens/s of the shard reader alone (fresh stream, whole epoch)
                    / tokens/s the trainer consumes                                   target >= 20
 Both modes use the same model, optimizer and batch size; blocks of steps alternate so
@@ -75,7 +77,7 @@ def measure(config, data_dir: Path, steps: int, block: int) -> dict:
     for _ in range(2):                             # warm-up (allocator, kernels), not timed
         step(in_memory)
 
-    times = {"shards": [], "memory": []}
+    times = {"shards": [], "memory": [], "data_path": []}
     position = 0
     pending = reader.submit(stream.rows, 0, b)
     while len(times["shards"]) < steps:
@@ -84,7 +86,9 @@ def measure(config, data_dir: Path, steps: int, block: int) -> dict:
             rows = pending.result()
             position += b
             pending = reader.submit(stream.rows, position, position + b)
-            step(to_tensors(rows))
+            batch = to_tensors(rows)
+            times["data_path"].append(time.perf_counter() - t0)  # what the update waits for
+            step(batch)
             times["shards"].append(time.perf_counter() - t0)
         for _ in range(block):                     # the same update, no data path
             t0 = time.perf_counter()
@@ -107,6 +111,8 @@ def measure(config, data_dir: Path, steps: int, block: int) -> dict:
         "step_s_shards_median": shard_step, "step_s_memory_median": memory_step,
         "step_s_shards_mean": statistics.fmean(times["shards"]), "step_s_memory_mean": statistics.fmean(times["memory"]),
         "step_ratio": shard_step / memory_step,
+        "data_path_s_mean": statistics.fmean(times["data_path"]), "data_path_s_max": max(times["data_path"]),
+        "data_path_fraction": statistics.fmean(times["data_path"]) / statistics.fmean(times["shards"]),
         "trainer_tokens_per_s": tokens_per_step / shard_step,
         "loader_tokens_per_s": loader_tokens / loader_s, "loader_epoch_rows": rows_epoch, "loader_s": loader_s,
         "loader_ratio": (loader_tokens / loader_s) / (tokens_per_step / shard_step),
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.train")
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
-    parser.add_argument("--steps", type=int, default=32, help="timed updates per mode")
+    parser.add_argument("--steps", type=int, default=64, help="timed updates per mode")
     parser.add_argument("--block", type=int, default=4, help="updates per block before switching mode")
     parser.add_argument("--out", default=str(RESULTS), help="results folder")
     args = parser.parse_args(argv)
@@ -138,6 +144,9 @@ def main(argv=None) -> int:
           "| figure | value | target |", "|---|---|---|",
           f"| update on shards / on an in-memory batch (median s) | {result['step_ratio']:.3f} "
           f"({result['step_s_shards_median']:.4f} / {result['step_s_memory_median']:.4f}) | <= 1.03 |",
+          f"| data path on the update's critical path (wait for rows + padding), mean / max | "
+          f"{result['data_path_s_mean'] * 1e3:.2f} / {result['data_path_s_max'] * 1e3:.2f} ms "
+          f"({100 * result['data_path_fraction']:.2f}% of an update) | (the cause of any excess over 1) |",
           f"| shard reader tokens/s / trainer tokens/s | {result['loader_ratio']:.0f} "
           f"({result['loader_tokens_per_s']:.0f} / {result['trainer_tokens_per_s']:.0f}) | >= 20 |"]
     atomic_write_text(out / f"{stem}.md", "\n".join(md) + "\n")
