@@ -63,6 +63,8 @@ def test_a_nonfinite_loss_skips_the_step_and_is_counted(generated, tmp_path, mon
     assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5, 6, 7, 8))
     assert records[2]["nonfinite_steps"] == 0 and records[8]["nonfinite_steps"] == 1
     assert summary["nonfinite_steps"] == 1 and summary["steps"] == 8
+    png = (tmp_path / "run" / "curves.png").read_bytes()  # the training curves beside metrics.jsonl
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_skipped_steps_leave_the_weights_untouched(generated, tmp_path, monkeypatch):
