@@ -87,3 +87,21 @@ def generated(built, tmp_path_factory):
                              "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return manifest, out, result
+
+
+def train_with(built, manifest_path, tmp_path, env, **train):
+    """Run `python -m train` on the fixture corpus and aux model with [train] overrides (objectives that
+    corrupt in the loop); returns the process result and the metrics.jsonl records."""
+    import json
+    from common.checkpoint import AUX_FILE
+    from common.config import config_to_dict, load_manifest
+    values = config_to_dict(load_manifest(manifest_path))
+    values["train"].update(train)
+    path = tmp_path / "variant.toml"
+    path.write_text(dump_toml(config_from_dict(values)))
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(path), "--out", str(run),
+                             "--corpus", str(built.corpus_dir), "--aux", str(built.aux_dir / AUX_FILE)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -1,15 +1,12 @@
 """The `electra` objective (paper section 2): it learns, and the shared embeddings stay shared."""
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from common.checkpoint import AUX_FILE, latest_checkpoint
-from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
-from tests.conftest import ROOT
+from common.checkpoint import latest_checkpoint
+from common.config import load_manifest
+from tests.conftest import train_with
 from train.electra import ElectraPair, generator_layers, masked_inputs
 from train.online import OnlineStream
 
@@ -42,18 +39,9 @@ def test_masking_matches_the_generators_rows(built, generated):
 
 @pytest.mark.slow
 def test_electra_objective_learns_and_its_checkpoint_keeps_the_sharing(built, generated, tmp_path, env_with_repo):
-    manifest_path, _, _ = generated
-    values = config_to_dict(load_manifest(manifest_path))
-    values["train"].update({"objective": "electra", "lr": 2e-3, "max_steps": 40, "eval_every": 20, "ckpt_every": 20,
-                            "warmup_steps": 4, "embed_lr_scale": 1.0})
-    path = tmp_path / "electra.toml"
-    path.write_text(dump_toml(config_from_dict(values)))
-    run = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(path), "--out", str(run),
-                             "--corpus", str(built.corpus_dir), "--aux", str(built.aux_dir / AUX_FILE)],
-                            cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    _, records = train_with(built, generated[0], tmp_path, env_with_repo, objective="electra", lr=2e-3, max_steps=40,
+                            eval_every=20, ckpt_every=20, warmup_steps=4, embed_lr_scale=1.0)
+    run, path = tmp_path / "run", tmp_path / "variant.toml"
     assert len(records) == 40
     first, last = records[:8], records[-8:]
     mean = lambda rs, k: float(np.mean([r[k] for r in rs]))

@@ -1,16 +1,13 @@
 """`fast-online` equivalence (issue: for the same seed, rows and temperature, fast-online feeds the
 main model exactly the corrupted ids and labels that generate/ wrote to the shards, bitwise on CPU)."""
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from common.checkpoint import AUX_FILE
-from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
-from tests.conftest import ROOT
+from common.config import load_manifest
+from tests.conftest import train_with
 from train.data import load_data_manifest, training_stream, validation_stream
 from train.online import online_streams
 
@@ -43,16 +40,7 @@ def test_fast_online_feeds_exactly_the_rows_of_the_shards(built, generated):
 
 
 def test_trainer_runs_the_fast_online_objective(built, generated, tmp_path, env_with_repo):
-    manifest_path, data, _ = generated
-    values = config_to_dict(load_manifest(manifest_path))
-    values["train"].update({"objective": "fast-online", "max_steps": 4, "eval_every": 4, "ckpt_every": 4})
-    path = tmp_path / "online.toml"
-    path.write_text(dump_toml(config_from_dict(values)))
-    run = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(path), "--out", str(run),
-                             "--corpus", str(built.corpus_dir), "--aux", str(built.aux_dir / AUX_FILE)],
-                            cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    result, records = train_with(built, generated[0], tmp_path, env_with_repo, objective="fast-online", max_steps=4,
+                                 eval_every=4, ckpt_every=4)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in records)
-    assert "val_auc" in records[-1] and "online from" in result.stdout
+    assert "val_auc" in records[-1] and "fast-online from" in result.stdout

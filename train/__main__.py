@@ -234,6 +234,8 @@ def train(args) -> dict:
             nonfinite_total += 1
             nonfinite_run += 1
             if nonfinite_run >= tc.max_nonfinite_steps:
+                bar.close()
+                reader.shutdown(cancel_futures=True)
                 last = latest_checkpoint(ckpt_dir)
                 raise FloatingPointError(f"{nonfinite_run} non-finite losses in a row, last at step {step} "
                                          f"(stream rows {step * tc.batch_size}..{(step + 1) * tc.batch_size - 1}); "
