@@ -132,6 +132,9 @@ class GenerateConfig:
     """torch threads per CPU actor; fixed so results never depend on worker count."""
     zstd_level: int = 19
     """zstd level of the shards (19: ~1.48 bytes/token on tiny, ~40 ms per 512-row shard)."""
+    tasks_in_flight: int = 0
+    """Shards in flight per actor: 0 = 2 on a GPU actor (the next shard's masking and aux forward run
+    while the last one is written), 1 on a CPU actor (one core: nothing to overlap). Bytes never change."""
     distribution: str = "aux"
     """Replaced-token distribution (paper section 5.1): 'aux' (the aux model, made easier by `augmentation`)
     or, with no aux model, 'uniform', 'term_frequency', 'smoothed_one_hot', 'uniform_to_soh', 'tf_to_soh'."""
@@ -155,6 +158,8 @@ class GenerateConfig:
             raise ConfigError(f"generate.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not (1.0 <= self.t0 < math.inf and 0.0 < self.tau < math.inf):
             raise ConfigError(f"generate.t0 must be >= 1 and tau > 0, got t0={self.t0} tau={self.tau}")
+        if self.tasks_in_flight < 0:
+            raise ConfigError(f"generate.tasks_in_flight must be >= 0, got {self.tasks_in_flight}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"generate.zstd_level must be in 1..22, got {self.zstd_level}")
         if self.temperature_granularity not in ("row", "epoch"):

@@ -149,7 +149,7 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
                   "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker, "zstd_level": config.generate.zstd_level,
                   "curriculum": {"distribution": config.generate.distribution, "augmentation": config.generate.augmentation,
                                  "soh_alpha": config.generate.soh_alpha}}
-    records = run_tasks(todo, workers, actor_args, out_dir, address) if todo else []
+    records = run_tasks(todo, workers, actor_args, out_dir, address, config.generate.tasks_in_flight) if todo else []
     seconds = time.time() - t0
     all_records = list(done.values()) + records
     epochs, valid = summarize_epochs(all_records, tasks, curriculum_record(config.generate))

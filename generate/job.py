@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -42,6 +43,7 @@ class ShardActor:
         rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # memory-mapped
         self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level)
         self.device = device
+        self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time
 
     def run(self, task: ShardTask) -> dict:
         time.sleep(float(os.environ.get(SLOW_ENV, "0")))
@@ -49,7 +51,7 @@ class ShardActor:
         if marker and not os.path.exists(marker):
             Path(marker).write_text(f"killed pid {os.getpid()} on {task.path}\n")
             os._exit(1)  # a real process death mid-task, not an exception
-        return {**self.writer(task), "device": self.device}
+        return {**self.writer(task, self.device_lock), "device": self.device}
 
 
 def read_progress(out_dir: Path) -> dict[str, dict]:
@@ -85,21 +87,25 @@ def start_ray(address: str | None, workers: int) -> None:
                  runtime_env={"env_vars": env} if env else None)
 
 
-def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None) -> list[dict]:
-    """Run `tasks` on `workers` actors; returns their records in completion order."""
+def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None,
+              tasks_in_flight: int = 0) -> list[dict]:
+    """Run `tasks` on `workers` actors, `tasks_in_flight` at a time on each (0: 2 on GPU, 1 on CPU);
+    returns their records in completion order."""
     start_ray(address, workers)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = gpus > 0
     if use_gpu and workers > gpus:
         print(f"generate: {workers} workers asked, the cluster has {gpus} GPU(s); using {gpus} GPU actors")
         workers = gpus
-    options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 3, "max_task_retries": 3}
+    depth = tasks_in_flight or (2 if use_gpu else 1)
+    options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 3, "max_task_retries": 3,
+               "max_concurrency": depth}  # depth > 1: Ray runs that many `run` calls at once, in threads
     actors = [ShardActor.options(**options).remote(**actor_args) for _ in range(workers)]
     queue, pending, records = deque(tasks), {}, []
     tokens, t0 = 0, time.time()
     bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)
     try:
-        idle = list(actors)
+        idle = [actor for actor in actors for _ in range(depth)]  # one slot per task in flight
         while queue or pending:
             while queue and idle:
                 actor = idle.pop()

@@ -120,6 +120,7 @@ def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256
     so those folders stay valid."""
     import dataclasses
     generate = dataclasses.asdict(cfg)  # threads_per_worker included: CPU kernels may round differently
+    del generate["tasks_in_flight"]  # scheduling only: the bytes do not depend on it (test_generate_resume)
     for key, value in LEGACY_CURRICULUM.items():
         if generate[key] == value:
             del generate[key]

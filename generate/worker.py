@@ -137,16 +137,23 @@ class Corruptor:
             return sample_from_log_weights(log_w, uniforms), logits
         return sample_temperature(logits, per_position(temperatures), uniforms), logits
 
+    def prepare(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, gammas: np.ndarray | None = None):
+        """The CPU half of a call (per-row masking and uniforms, padded inputs on the device); it needs
+        no model, so a GPU actor runs it for the next shard while the device is busy."""
+        row_ids = np.asarray(row_ids)
+        drop = gammas if gammas is not None and self.distribution == "aux" and self.augmentation == "drop_token" else None
+        return self.masked_batches(rows, row_ids, epoch, drop)
+
     @torch.no_grad()
     def __call__(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, temperatures: np.ndarray,
-                 gammas: np.ndarray | None = None) -> dict:
+                 gammas: np.ndarray | None = None, prepared=None) -> dict:
         """Corrupt `rows` (original ids). Returns per-row corrupted ids and labels plus counts:
         masked positions, replaced positions, aux top-1 hits at masked positions (0 with no aux model).
         Without `gammas` the rows are corrupted by the aux model at `temperatures` whatever this
-        Corruptor's curriculum (the validation rows; the paper's default path)."""
+        Corruptor's curriculum (the validation rows; the paper's default path). `prepared`: the
+        output of `prepare` for the same arguments, if already computed."""
         row_ids = np.asarray(row_ids)
-        drop = gammas if gammas is not None and self.distribution == "aux" and self.augmentation == "drop_token" else None
-        positions, uniforms, batches = self.masked_batches(rows, row_ids, epoch, drop)
+        positions, uniforms, batches = prepared or self.prepare(rows, row_ids, epoch, gammas)
         corrupted = [r.astype(np.int32, copy=True) for r in rows]
         top1_hits = 0
         for batch, ids, attn, flags in batches:
@@ -182,11 +189,16 @@ class ShardWriter:
         self.out_dir = Path(out_dir)
         self.zstd_level = zstd_level
 
-    def __call__(self, task: ShardTask) -> dict:
+    def __call__(self, task: ShardTask, device_lock=None) -> dict:
+        """Read, corrupt and write one shard. With `device_lock` (a GPU actor running two tasks at once),
+        only the aux forward and sampling hold the lock: this shard's masking and its Parquet writing
+        overlap with the other shard's model work."""
         t0 = time.time()
         source = self.rows[task.split]
         rows = [source[i] for i in task.row_ids]
-        out = self.corruptor(rows, task.row_ids, task.epoch, task.temperatures, task.gammas)
+        prepared = self.corruptor.prepare(rows, task.row_ids, task.epoch, task.gammas)
+        with device_lock or contextlib.nullcontext():
+            out = self.corruptor(rows, task.row_ids, task.epoch, task.temperatures, task.gammas, prepared)
         num = len(rows)
         columns = {
             "stream_index": pa.array(np.arange(task.stream_start, task.stream_start + num, dtype=np.int64)),
@@ -204,5 +216,5 @@ class ShardWriter:
             "temperature_min": float(task.temperatures.min()), "temperature_max": float(task.temperatures.max()),
             **({} if task.gammas is None else {"gamma_min": float(task.gammas.min()), "gamma_max": float(task.gammas.max())}),
             "masked": out["masked"], "replaced": out["replaced"], "aux_top1": out["aux_top1"],
-            "seconds": time.time() - t0,
+            "seconds": time.time() - t0, "started_at": t0, "finished_at": time.time(),
         }

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from common.config import dump_toml
+from common.config import config_from_dict, config_to_dict, dump_toml
 from common.io import sha256_file
 from generate.job import FAIL_ONCE_ENV, SLOW_ENV
 from tests.conftest import ROOT
@@ -52,6 +52,23 @@ def test_two_workers_write_the_same_bytes_as_one(reference):
     manifest, folder, expected = reference
     _run(manifest, folder / "two_workers", 2)
     assert _hashes(folder / "two_workers") == expected
+
+
+def test_two_tasks_in_flight_per_actor_write_the_same_bytes(reference, built):
+    """The GPU actors' pipelining (next shard's masking and aux forward while the last is written),
+    forced on this CPU: same bytes, same generation key."""
+    manifest, folder, expected = reference
+    values = config_to_dict(built)
+    values["generate"]["tasks_in_flight"] = 2
+    pipelined = folder / "in_flight.toml"
+    pipelined.write_text(dump_toml(config_from_dict(values)))
+    _run(pipelined, folder / "in_flight", 1)
+    assert _hashes(folder / "in_flight") == expected
+    key = lambda out: json.loads((out / "plan.json").read_text())["generation_key"]
+    assert key(folder / "in_flight") == key(folder / "one_worker")
+    spans = sorted((r["started_at"], r["finished_at"]) for r in map(json.loads, (folder / "in_flight" / "progress.jsonl")
+                                                                      .read_text().splitlines()))
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))  # one actor, two shards at once
 
 
 def test_sigkill_halfway_then_rerun_equals_uninterrupted(reference):
