@@ -2,7 +2,7 @@
 
 A manifest (``manifests/tiny.toml``) has top-level keys for the run and one table
 per stage: ``[corpus] [tokenizer] [model] [aux] [generate] [train]``, plus
-``[sweep.train]`` for `make sweep`. Every key
+``[sweep.train]`` for `make sweep`. ``extends = "other.toml"`` starts from another manifest. Every key
 maps to a dataclass field; an unknown key is an error, never ignored. The fully
 resolved config is written beside every output (``resolved_manifest.toml``).
 """
@@ -337,16 +337,34 @@ def config_from_dict(data: dict) -> RunConfig:
     return _build(RunConfig, data, "")
 
 
-def load_manifest(path: str | Path) -> RunConfig:
-    path = Path(path)
+def _read_toml(path: Path, chain: tuple = ()) -> dict:
+    """A manifest's tables; `extends = "other.toml"` (relative to this file) starts from another
+    manifest and overrides it key by key, table by table."""
     if not path.is_file():
-        raise ConfigError(f"manifest {path} does not exist")
+        raise ConfigError(f"manifest {path} does not exist" + (f" (extended by {chain[-1]})" if chain else ""))
+    if path.resolve() in chain:
+        raise ConfigError(f"manifest {path} extends itself through {' -> '.join(map(str, chain))}")
     with path.open("rb") as f:
         try:
             data = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"manifest {path} is not valid TOML: {e}") from e
-    return config_from_dict(data)
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: extends must be a path, got {base!r}")
+    merged = _read_toml(path.parent / base, chain + (path.resolve(),))
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_manifest(path: str | Path) -> RunConfig:
+    return config_from_dict(_read_toml(Path(path)))
 
 
 def config_to_dict(config: RunConfig) -> dict:

@@ -45,3 +45,20 @@ def test_paper_hyper_parameters_in_base_and_large():
         assert (c.train.lr, c.train.betas, c.train.eps, c.train.weight_decay) == (1e-3, [0.9, 0.98], 1e-6, 0.01)
         assert (c.train.batch_size, c.train.max_steps, c.train.warmup_steps, c.train.clip_norm) == (2048, 125_000, 10_000, 2.0)
         assert (c.generate.t0, c.generate.tau, c.corpus.max_seq_len, c.tokenizer.vocab_size) == (2.0, 0.1, 512, 128_000)
+
+
+def test_a_manifest_extends_another_table_by_table(tmp_path):
+    (tmp_path / "base.toml").write_text('name = "base"\nseed = 5\n[train]\nlr = 0.002\nbatch_size = 64\n')
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\nname = "child"\n[train]\nbatch_size = 8\n')
+    config = load_manifest(tmp_path / "child.toml")
+    assert (config.name, config.seed, config.train.lr, config.train.batch_size) == ("child", 5, 0.002, 8)
+    (tmp_path / "typo.toml").write_text('extends = "base.toml"\n[train]\nbatch_sise = 8\n')
+    with pytest.raises(ConfigError, match="batch_sise"):
+        load_manifest(tmp_path / "typo.toml")
+    (tmp_path / "orphan.toml").write_text('extends = "nowhere.toml"\n')
+    with pytest.raises(ConfigError, match="nowhere.toml does not exist .extended by"):
+        load_manifest(tmp_path / "orphan.toml")
+    (tmp_path / "a.toml").write_text('extends = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_manifest(tmp_path / "a.toml")
