@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common.batching import attention_mask
-from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
+from common.checkpoint import AUX_FILE, IncompatibleInputs, latest_checkpoint, save_checkpoint
 from common.config import ConfigError, config_from_dict, config_to_dict, load_manifest, save_resolved
 from common.io import atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector, count_parameters
@@ -112,7 +112,7 @@ def train(args) -> dict:
     else:  # fast-online: the same rows, corrupted in the loop by the frozen aux model; electra: by the generator
         from train.online import online_streams
         corpus_dir = Path(args.corpus) if args.corpus else config.corpus_dir
-        aux_path = Path(args.aux) if args.aux else config.aux_dir / "aux.pt"
+        aux_path = Path(args.aux) if args.aux else config.aux_dir / AUX_FILE
         stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, device.type,
                                                                   corrupt=tc.objective == "fast-online")
         prior = config.generate.mask_prob  # nearly every masked position is replaced (shards: ~0.99)
@@ -187,6 +187,7 @@ def train(args) -> dict:
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
     next_rows = reader.submit(read_step, step)
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0"))
+    to_batch = partial(electra_tensors, seed=config.seed, mask_prob=config.generate.mask_prob) if electra else to_tensors
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps = time.time(), 0, [math.inf, -math.inf]
     while step < total_steps:
@@ -197,7 +198,6 @@ def train(args) -> dict:
         temps = [min(temps[0], -neg_t_min), max(temps[1], t_max)]
         consumed = history.setdefault("temperature_consumed", [math.inf, -math.inf])
         history["temperature_consumed"] = [min(consumed[0], temps[0]), max(consumed[1], temps[1])]
-        to_batch = partial(electra_tensors, seed=config.seed, mask_prob=config.generate.mask_prob) if electra else to_tensors
         batches = [to_batch({k: v[i * micro:(i + 1) * micro] for k, v in rows.items()}) for i in range(tc.grad_accum)]
         local_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         local_masked = sum(int(b["masked_flags"].sum()) for b in batches) if electra else 0
