@@ -12,6 +12,8 @@ SWEEP    ?=
 TASK     ?= rotten_tomatoes
 FT_ARGS  ?=
 PYTEST_ARGS ?=
+# bench-efficiency's vocabulary: 0 = the data's, paper = round(128000 * hidden / 768), or a number
+BENCH_VOCAB ?= 0
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -88,7 +90,7 @@ bench-train: generate-epochs
 	$(PY) -m bench.train --manifest $(MANIFEST) --data $(DATA_DIR)
 
 bench-efficiency: generate-epochs
-	$(PY) -m bench.efficiency --manifest $(MANIFEST) --data $(DATA_DIR)
+	$(PY) -m bench.efficiency --manifest $(MANIFEST) --data $(DATA_DIR) --vocab $(BENCH_VOCAB)
 
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md

@@ -2,13 +2,21 @@
 same main model, same batch, measured interleaved in one run (paper section 4.3, table
 "efficiency on device"), and the break-even number of reuses of the dumped shards.
 
-    python -m bench.efficiency --manifest manifests/tiny.toml [--layers 6] [--steps 24]
+    python -m bench.efficiency --manifest manifests/tiny.toml [--layers 6] [--steps 24] [--vocab paper]
 
 Shape: the manifest's main model at `--layers` depth (CPU default 6, so the 2-layer tiny aux is
 1/3 of it, the paper's proportion; the electra generator is 1/3 deep too, same width).
   fast-offline  rows read from the shards (as the trainer reads them), RTD update
   fast-online   the same rows corrupted in the loop by the frozen aux model (train/online.py), RTD update
   electra       the same rows masked, generator MLM + sampling + discriminator, joint update (lambda 50)
+Vocabulary: `--vocab 0` (default) is the data's (tiny: 8000, so V/d = 31 at width 256); `--vocab paper`
+is the paper's proportion, round(128000 * hidden / 768) (42667 at 256, V/d = 166.7 as in base), the term
+that drives the paper's 0.598; `--vocab N` any N >= the data's. Main model, electra generator and
+fast-online's aux model all get V rows; the aux is then a seeded random one of the real aux's architecture
+(compute does not depend on its weights), written to a temporary aux.pt. Data ids stay < the data's
+vocabulary, valid in the bigger tables. Results: bench/results/efficiency-paper-vocab.{json,md}
+(`efficiency-vocab<N>` for another N) beside the default shape's efficiency.{json,md}.
+`make bench-efficiency BENCH_VOCAB=paper`.
 Memory: on GPU, torch.cuda.max_memory_allocated per mode; on CPU, each mode runs in its own process
 and reports its peak RSS above the process's RSS before the mode built anything.
 Break-even: generation is paid once (g seconds per update's worth of rows, measured here with the
@@ -28,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -36,10 +45,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
-from common.checkpoint import AUX_FILE
+from common.checkpoint import AUX_FILE, save_aux
 from common.config import config_from_dict, config_to_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text
-from common.model import ReplacedTokenDetector
+from common.corpus import load_corpus_meta
+from common.model import MaskedLM, ReplacedTokenDetector
 from common.optim import build_optimizer, build_scheduler
 from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
 from train.__main__ import electra_tensors
@@ -49,6 +59,7 @@ from train.online import OnlineStream
 
 RESULTS = Path("bench/results")
 MODES = ("electra", "fast-online", "fast-offline")
+PAPER_VOCAB, PAPER_HIDDEN = 128_000, 768  # base: V / d = 166.7 (paper appendix A)
 
 
 def bench_config(manifest: str, layers: int):
@@ -57,10 +68,57 @@ def bench_config(manifest: str, layers: int):
     return config_from_dict(values)
 
 
-class Mode:
-    """One objective: its stream, its model + optimizer, and `step()` = read the next batch and update."""
+def paper_vocab(hidden_size: int) -> int:
+    """The paper's vocabulary-to-width proportion at `hidden_size`: 128000 * 256 / 768 = 42667."""
+    return round(PAPER_VOCAB * hidden_size / PAPER_HIDDEN)
 
-    def __init__(self, name: str, config, data_dir: Path, device: torch.device):
+
+def vocab_arg(text: str) -> str | int:
+    if text == "paper":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--vocab takes 'paper' or a number of tokens, not {text!r}")
+    return int(text)
+
+
+def resolve_vocab(option: str | int, config) -> int:
+    """`--vocab` -> the number of tokens of every model: 0 = the data's, 'paper' = the paper's proportion."""
+    data = config.tokenizer.vocab_size
+    vocab = paper_vocab(config.model.hidden_size) if option == "paper" else option or data
+    if vocab < data:
+        raise ValueError(f"--vocab {vocab} is smaller than the data's vocabulary ({data}): its ids would not fit")
+    return vocab
+
+
+def save_random_aux(config, vocab: int, out_dir: Path) -> Path:
+    """An aux.pt of the real aux's architecture (train/aux.py) with `vocab` tokens, seeded random weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = MaskedLM(config.model, vocab, config.aux.num_layers)
+    sha = load_corpus_meta(config.corpus_dir)["tokenizer_sha256"]  # the ids are still that tokenizer's
+    return save_aux(model, config.model, config.aux.num_layers, vocab, sha, out_dir,
+                    {"steps": 0, "note": f"bench.efficiency: random weights, vocabulary {vocab}"})
+
+
+@contextmanager
+def bench_aux(config, vocab: int, given: str | None = None):
+    """The aux.pt fast-online and the generation timing load: `given`, else the trained one when the
+    vocabulary is the data's, else a random one of `vocab` tokens in a temporary folder."""
+    if given:
+        yield Path(given)
+    elif vocab == config.tokenizer.vocab_size:
+        yield config.aux_dir / AUX_FILE
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-aux-") as tmp:
+            yield save_random_aux(config, vocab, Path(tmp))
+
+
+class Mode:
+    """One objective: its stream, its model + optimizer, and `step()` = read the next batch and update.
+    `vocab`: the models' vocabulary (default: the data's); `aux_path`: fast-online's aux (default: WORK/aux)."""
+
+    def __init__(self, name: str, config, data_dir: Path, device: torch.device, vocab: int | None = None,
+                 aux_path: Path | None = None):
         self.name, self.config, self.device = name, config, device
         tc, g = config.train, config.generate
         manifest, _ = load_data_manifest(data_dir, config)
@@ -68,11 +126,12 @@ class Mode:
             self.stream = training_stream(data_dir, manifest)
         else:
             from generate.worker import Corruptor
-            corruptor = Corruptor(config.aux_dir / AUX_FILE, config.seed, g.mask_prob, g.batch_tokens, device=device.type) \
-                if name == "fast-online" else None
+            corruptor = Corruptor(aux_path or config.aux_dir / AUX_FILE, config.seed, g.mask_prob, g.batch_tokens,
+                                  device=device.type) if name == "fast-online" else None
+            assert corruptor is None or vocab is None or corruptor.vocab_size == vocab, (corruptor.vocab_size, vocab)
             self.stream = OnlineStream(config, config.corpus_dir, corruptor)
         torch.manual_seed(tc.seed)
-        vocab = manifest["vocab_size"]
+        vocab = vocab or manifest["vocab_size"]
         self.model = (ElectraPair(config.model, vocab) if name == "electra" else ReplacedTokenDetector(config.model, vocab)).to(device)
         self.optimizer = build_optimizer(self.model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                          tc.embed_lr_scale)
@@ -106,11 +165,11 @@ class Mode:
             torch.cuda.synchronize(self.device)
 
 
-def generation_seconds_per_update(config, data_dir: Path, device: torch.device, repeats: int) -> float:
+def generation_seconds_per_update(config, data_dir: Path, device: torch.device, repeats: int, aux_path: Path) -> float:
     """What generate/ spends per update's worth of rows: Corruptor (mask, aux, sample, label) + Parquet write."""
     from generate.worker import Corruptor
     g = config.generate
-    corruptor = Corruptor(config.aux_dir / AUX_FILE, config.seed, g.mask_prob, g.batch_tokens, device=device.type)
+    corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device.type)
     stream = OnlineStream(config, config.corpus_dir, None)
     b = config.train.batch_size
     times = []
@@ -128,9 +187,10 @@ def generation_seconds_per_update(config, data_dir: Path, device: torch.device, 
     return statistics.median(times)
 
 
-def analytic_ratios(config) -> dict:
-    """FLOPs per sequence per update for the measured shape, two conventions (bench/flops.py)."""
-    m, L, V = config.model, config.corpus.max_seq_len, config.tokenizer.vocab_size
+def analytic_ratios(config, vocab: int | None = None) -> dict:
+    """FLOPs per sequence per update for the measured shape, two conventions (bench/flops.py);
+    `vocab`: the models' vocabulary (default: the data's)."""
+    m, L, V = config.model, config.corpus.max_seq_len, vocab or config.tokenizer.vocab_size
     enc = lambda layers: Encoder(m.hidden_size, m.ffn_size, m.num_heads, layers, V)
     aux_layers, gen_layers = config.aux.num_layers, generator_layers(m)
     masked = config.generate.mask_prob * L
@@ -153,7 +213,7 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def memory_probe(manifest: str, layers: int, data_dir: str, mode: str, steps: int) -> None:
+def memory_probe(manifest: str, layers: int, data_dir: str, mode: str, steps: int, vocab: int, aux_path: Path) -> None:
     """In a fresh process: peak RSS while one mode builds its stream and model and runs `steps`
     updates, minus the RSS before it started (a sampling thread reads RSS every 0.5 ms; ru_maxrss
     cannot be used, its peak is set by the imports)."""
@@ -166,7 +226,7 @@ def memory_probe(manifest: str, layers: int, data_dir: str, mode: str, steps: in
             time.sleep(0.0005)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    runner = Mode(mode, config, Path(data_dir), torch.device("cpu"))
+    runner = Mode(mode, config, Path(data_dir), torch.device("cpu"), vocab, aux_path)
     for _ in range(steps):
         runner.step()
     done.set()
@@ -181,18 +241,32 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=6, help="main model depth (aux and generator: 1/3)")
     parser.add_argument("--steps", type=int, default=24, help="timed updates per mode")
     parser.add_argument("--block", type=int, default=4)
+    parser.add_argument("--vocab", type=vocab_arg, default=0,
+                        help="models' vocabulary: 0 = the data's (default), 'paper' = round(128000 * hidden / 768), or N")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--aux", default=None, help=argparse.SUPPRESS)  # the probe gets the parent's aux.pt
     args = parser.parse_args(argv)
     config = bench_config(args.manifest, args.layers)
     data_dir = Path(args.data) if args.data else config.epochs_dir
-    if args.memory_probe:
-        memory_probe(args.manifest, args.layers, str(data_dir), args.memory_probe, 4)
-        return 0
+    try:
+        vocab = resolve_vocab(args.vocab, config)
+    except ValueError as e:
+        parser.error(str(e))
+    with bench_aux(config, vocab, args.aux) as aux_path:
+        if args.memory_probe:
+            memory_probe(args.manifest, args.layers, str(data_dir), args.memory_probe, 4, vocab, aux_path)
+            return 0
+        return run(args, config, data_dir, vocab, aux_path)
+
+
+def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
+    """Time the three modes interleaved, probe their memory, time generation; write the results."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    is_paper = vocab == paper_vocab(config.model.hidden_size)
     if config.aux.num_layers * 3 != args.layers:
         print(f"note: aux has {config.aux.num_layers} layers, main {args.layers}: not the paper's 1/3")
 
-    modes = {name: Mode(name, config, data_dir, device) for name in MODES}
+    modes = {name: Mode(name, config, data_dir, device, vocab, aux_path) for name in MODES}
     for mode in modes.values():  # warm-up, not timed
         mode.step()
     times = {name: [] for name in MODES}
@@ -210,7 +284,7 @@ def main(argv=None) -> int:
         for name in MODES:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            runner = Mode(name, config, data_dir, device)
+            runner = Mode(name, config, data_dir, device, vocab, aux_path)
             for _ in range(3):
                 runner.step()
             memory[name] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -218,19 +292,20 @@ def main(argv=None) -> int:
     else:
         for name in MODES:
             cmd = [sys.executable, "-m", "bench.efficiency", "--manifest", args.manifest, "--layers", str(args.layers),
-                   "--data", str(data_dir), "--memory-probe", name]
+                   "--data", str(data_dir), "--vocab", str(vocab), "--aux", str(aux_path), "--memory-probe", name]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             memory[name] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
 
-    g = generation_seconds_per_update(config, data_dir, device, repeats=args.steps // 2)
+    g = generation_seconds_per_update(config, data_dir, device, args.steps // 2, aux_path)
     extra = seconds["fast-online"] - seconds["fast-offline"]
     break_even = g / extra if extra > 0 else math.inf
-    analytic = analytic_ratios(config)
+    analytic = analytic_ratios(config, vocab)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shape": {"main_layers": args.layers, "aux_layers": config.aux.num_layers, "generator_layers": generator_layers(config.model),
                   "hidden": config.model.hidden_size, "seq_len": config.corpus.max_seq_len, "batch_rows": config.train.batch_size,
-                  "vocab": config.tokenizer.vocab_size},
+                  "vocab": vocab, "data_vocab": config.tokenizer.vocab_size, "paper_vocab_proportion": is_paper,
+                  "vocab_per_hidden": vocab / config.model.hidden_size},
         "seconds_per_update": seconds, "peak_memory_mb": memory,
         "ratio_offline_vs_electra": seconds["fast-offline"] / seconds["electra"],
         "ratio_online_vs_electra": seconds["fast-online"] / seconds["electra"],
@@ -242,15 +317,23 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
     }
     stem = "efficiency" if device.type == "cpu" else "efficiency-gpu"
+    if vocab != config.tokenizer.vocab_size:  # the default shape's results stay where they are
+        stem += "-paper-vocab" if is_paper else f"-vocab{vocab}"
     atomic_write_json(RESULTS / f"{stem}.json", result)
     mem_unit = "MB of RSS above the process baseline" if device.type == "cpu" else "MB (max allocated)"
-    s, mem = seconds, memory
+    s, mem, d = seconds, memory, config.model.hidden_size
     md = [f"# bench-efficiency ({result['device']})", "",
-          f"`python -m bench.efficiency --manifest {args.manifest} --layers {args.layers} --steps {args.steps}` on "
+          f"`python -m bench.efficiency --manifest {args.manifest} --layers {args.layers} --steps {args.steps}"
+          f"{f' --vocab {args.vocab}' if args.vocab else ''}` on "
           f"{result['machine']}, {result['cpu_count']} cores, torch {result['torch']}. Main model {args.layers} x "
           f"{config.model.hidden_size}, aux {config.aux.num_layers} layers, generator {generator_layers(config.model)} layers, "
           f"{config.train.batch_size} rows x {config.corpus.max_seq_len} tokens per update; medians of {args.steps} "
           f"interleaved updates per method.", "",
+          (f"Vocabulary: the data's, {vocab} tokens (V / d = {vocab / d:.1f}; the paper's base: 166.7)."
+           if vocab == config.tokenizer.vocab_size else
+           f"Vocabulary: {vocab} tokens in every model (V / d = {vocab / d:.1f}"
+           f"{', the paper proportion 128000 / 768' if is_paper else ''}); the data's {config.tokenizer.vocab_size} "
+           f"ids in bigger tables, fast-online's aux model a seeded random one of that vocabulary."), "",
           f"| method | s / update | ratio | peak memory, {mem_unit} | ratio |", "|---|---|---|---|---|"]
     for name in MODES:
         md.append(f"| {name} | {s[name]:.4f} | {s[name] / s['electra']:.3f} | {mem[name]:.0f} | {mem[name] / mem['electra']:.3f} |")
