@@ -24,12 +24,12 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep test test-fast bench bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
+.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
 
 help:
-	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune"
+	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make reproduce"
 	@echo "make plots | make ablations | make bench | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
-	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS)"
+	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) BUDGET=$(BUDGET)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
 $(STAMP): pyproject.toml
@@ -79,6 +79,13 @@ finetune: train
 
 finetune-floor: setup
 	$(PY) -m train.finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS)
+
+# The paper's claim at small scale: ELECTRA, Fast-ELECTRA, fixed aux, term frequency and no pre-training
+# under one wall-clock budget per method (BUDGET seconds; default in manifests/reproduce.toml), each
+# checkpoint fine-tuned on Rotten Tomatoes; table + figure in work/reproduce/reproduce.{md,png}.
+BUDGET ?=
+reproduce: setup
+	$(PY) -m train.reproduce --manifest manifests/reproduce.toml $(if $(BUDGET),--budget $(BUDGET))
 
 # All benchmarks (ratios measured in one run each; results in bench/results/).
 bench: bench-generate bench-train bench-efficiency bench-flops

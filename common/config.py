@@ -259,6 +259,42 @@ class SweepConfig:
                 raise ConfigError(f"sweep.train.{key} must be a non-empty list of values, got {values!r}")
 
 
+REPRODUCE_METHODS = ("electra", "fast-offline", "fixed-aux", "term-frequency", "none")
+
+
+@dataclass
+class ReproduceConfig:
+    """`make reproduce`: one wall-clock pre-training budget per method, then fine-tuning (train/reproduce.py)."""
+    budget_s: float = 360.0
+    """Wall-clock seconds per method, generation included (start of generation to last checkpoint)."""
+    methods: list[str] = field(default_factory=lambda: list(REPRODUCE_METHODS))
+    """Any of 'electra', 'fast-offline', 'fixed-aux' (aux at T = 1), 'term-frequency', 'none' (no pre-training)."""
+    checkpoints: int = 3
+    """Checkpoints fine-tuned per method, at equal fractions of its planned updates (the last at the end)."""
+    plan_fraction: float = 0.9
+    """Updates are planned for this fraction of the budget from measured speeds; the trainer stops at the budget."""
+    trainer_startup_s: float = 10.0
+    """Budget set aside for the trainer's start (torchrun, data, step-0 evaluation; ~10 s measured on 2 CPU cores)."""
+    generation_startup_s: float = 15.0
+    """Budget set aside for the generation job's start (Ray, actors; ~13 s measured on 2 CPU cores)."""
+    finetune: dict = field(default_factory=dict)
+    """[finetune] keys for every fine-tuning run (train/finetune_config.py), e.g. max_steps, seeds, grid.lr."""
+
+    def __post_init__(self):
+        if not self.budget_s > 0:
+            raise ConfigError(f"reproduce.budget_s must be > 0, got {self.budget_s}")
+        unknown = [m for m in self.methods if m not in REPRODUCE_METHODS]
+        if unknown or not self.methods or len(set(self.methods)) != len(self.methods):
+            raise ConfigError(f"reproduce.methods must be distinct names from {', '.join(REPRODUCE_METHODS)}, "
+                              f"got {self.methods}")
+        if self.checkpoints < 1:
+            raise ConfigError(f"reproduce.checkpoints must be >= 1, got {self.checkpoints}")
+        if not 0.0 < self.plan_fraction <= 1.0:
+            raise ConfigError(f"reproduce.plan_fraction must be in (0, 1], got {self.plan_fraction}")
+        if self.trainer_startup_s < 0 or self.generation_startup_s < 0:
+            raise ConfigError("reproduce.trainer_startup_s and generation_startup_s must be >= 0")
+
+
 @dataclass
 class RunConfig:
     name: str = "tiny"
@@ -276,6 +312,7 @@ class RunConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    reproduce: ReproduceConfig = field(default_factory=ReproduceConfig)
 
     # Default locations of each stage's output.
     @property

@@ -190,7 +190,8 @@ def train(args) -> dict:
     to_batch = partial(electra_tensors, seed=config.seed, mask_prob=config.generate.mask_prob) if electra else to_tensors
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps = time.time(), 0, [math.inf, -math.inf]
-    while step < total_steps:
+    deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
+    while step < total_steps and not deadline_hit:
         rows = next_rows.result()
         next_rows = reader.submit(read_step, step + 1)
         neg_t_min, t_max = all_reduce([-float(rows["temperature"].min()), float(rows["temperature"].max())],
@@ -244,21 +245,25 @@ def train(args) -> dict:
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         step += 1
+        if deadline:  # a wall-clock budget (make reproduce): every rank stops after the same update
+            deadline_hit = all_reduce([float(time.time() >= deadline)], world,
+                                      dist.ReduceOp.MAX if world > 1 else None)[0] > 0 and step < total_steps
+        last = step == total_steps or deadline_hit
         tokens_seen += global_tokens
         tokens_per_s = tokens_seen / (time.time() - t_start)
         bar.update(1)
         if is_main:
             bar.set_postfix(loss=f"{step_loss:.4f}", T=f"{temps[1]:.3f}", tok_s=f"{tokens_per_s:.0f}")
         record = None
-        if step % tc.log_every == 0 or step == total_steps:
-            record = {"step": step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+        if step % tc.log_every == 0 or last:
+            record = {"step": step, "time": time.time(), "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
                       "temperature_min": temps[0], "temperature_max": temps[1], "tokens_per_s": tokens_per_s,
                       "peak_memory_mb": peak_memory_mb(device), "nonfinite_steps": nonfinite_total,
                       "rows": [step * tc.batch_size - tc.batch_size, step * tc.batch_size]}
             if electra:
                 record.update(generator_mlm_loss=mlm_sum / global_masked, generator_top1=mlm_hits / global_masked)
             temps = [math.inf, -math.inf]
-        if step % tc.eval_every == 0 or step == total_steps:
+        if step % tc.eval_every == 0 or last:
             if is_main:
                 evaluation = evaluate(detector, valid, device, autocast)
                 history["last"] = {"step": step, **evaluation}
@@ -270,7 +275,7 @@ def train(args) -> dict:
                 f.write(json.dumps(record) + "\n")
             if "val_loss" in record:
                 plot_curves(run_dir)
-        if step % tc.ckpt_every == 0 or step == total_steps:
+        if step % tc.ckpt_every == 0 or last:
             # every rank's dropout stream: CPU generator and, on GPU, the CUDA one
             own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
             rng_states = [None] * world
@@ -293,8 +298,10 @@ def train(args) -> dict:
     elapsed = time.time() - t_start
     summary = {}
     if is_main:
-        summary = write_summary(run_dir, history, total_steps, dropped_rows, tokens_seen / max(elapsed, 1e-9),
-                                nonfinite_total, device)
+        if deadline_hit:
+            print(f"train: stopped by --deadline after step {step} of {total_steps}")
+        summary = write_summary(run_dir, history, step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
+                                nonfinite_total, device, planned_steps=total_steps)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -302,11 +309,11 @@ def train(args) -> dict:
 
 
 def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
-                  tokens_per_s: float, nonfinite: int, device) -> dict:
+                  tokens_per_s: float, nonfinite: int, device, planned_steps: int) -> dict:
     start, end = history["start"], history.get("last", history["start"])
     consumed = history.get("temperature_consumed", [math.nan, math.nan])
     plot_curves(run_dir)
-    summary = {"steps": total_steps, "dropped_tail_rows": dropped_rows, "start": start, "end": end,
+    summary = {"steps": total_steps, "planned_steps": planned_steps, "dropped_tail_rows": dropped_rows, "start": start, "end": end,
                "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
                "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir)}
     atomic_write_json(run_dir / "summary.json", summary)
@@ -334,6 +341,8 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
     parser.add_argument("--corpus", default=None, help="fast-online only: corpus folder (default: WORK_DIR/corpus)")
     parser.add_argument("--aux", default=None, help="fast-online only: aux model (default: WORK_DIR/aux/aux.pt)")
+    parser.add_argument("--deadline", type=float, default=0.0,
+                        help="Unix time: stop (evaluate, checkpoint) after the first update that ends past it")
     args = parser.parse_args(argv)
     try:
         train(args)

