@@ -42,7 +42,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
 from common.checkpoint import AUX_FILE, save_aux
@@ -52,7 +51,7 @@ from common.corpus import load_corpus_meta
 from common.model import MaskedLM, ReplacedTokenDetector
 from common.optim import build_optimizer, build_scheduler
 from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
-from train.__main__ import electra_tensors
+from train.__main__ import electra_tensors, forward_losses, objective
 from train.data import load_data_manifest, to_tensors, training_stream
 from train.electra import ElectraPair, generator_layers
 from train.online import OnlineStream
@@ -146,16 +145,12 @@ class Mode:
             self.position = 0
         rows = self.stream.rows(self.position, self.position + b)
         self.position += b
-        batch = {k: v.to(self.device) for k, v in self.to_batch(rows).items()}
-        mask = batch["attention_mask"]
-        with self.autocast:
-            if self.name == "electra":
-                mlm, logits, labels, _ = self.model(batch["masked_ids"], mask, batch["masked_flags"],
-                                                    batch["original_ids"], batch["uniforms"])
-            else:
-                logits, labels = self.model(batch["input_ids"], mask), batch["labels"]
-            rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum") / mask.sum()
-            loss = mlm / batch["masked_flags"].sum() + self.config.train.electra_lambda * rtd if self.name == "electra" else rtd
+        batch = self.to_batch(rows)
+        electra = self.name == "electra"
+        with self.autocast:  # the trainer's own loss (train/__main__.py)
+            rtd, mlm, _ = forward_losses(self.model, batch, self.device, electra)
+            loss = objective(rtd, mlm, float(batch["attention_mask"].sum()),
+                             float(batch["masked_flags"].sum()) if electra else 0.0, self.config.train.electra_lambda)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.clip_norm)
         self.optimizer.step()

@@ -87,6 +87,28 @@ def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15) -> dict:
     return {**batch, "attention_mask": attention_mask(lengths, max(lengths))}
 
 
+ELECTRA_INPUTS = ("masked_ids", "attention_mask", "masked_flags", "original_ids", "uniforms")
+
+
+def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
+    """One micro-batch through the model: (RTD loss summed over its non-pad tokens, and for `electra`
+    the generator's MLM loss summed over its masked positions and its top-1 hits; else None, None)."""
+    mask = batch["attention_mask"].to(device)
+    if electra:  # the generator masks, predicts and samples; the discriminator detects
+        mlm, logits, labels, hits = model(*(batch[k].to(device) for k in ELECTRA_INPUTS))
+    else:
+        (logits, labels), mlm, hits = (model(batch["input_ids"].to(device), mask), batch["labels"].to(device)), None, None
+    rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum")
+    return rtd, mlm, hits
+
+
+def objective(rtd_sum, mlm_sum, tokens: float, masked: float, electra_lambda: float):
+    """The loss to differentiate: RTD mean over tokens (paper section 3), or for `electra`
+    L_MLM + lambda * L_RTD (paper section 2). `tokens` / `masked`: the counts the sums are over."""
+    rtd = rtd_sum / tokens
+    return rtd if mlm_sum is None else mlm_sum / masked + electra_lambda * rtd
+
+
 def all_reduce(values: list[float], world: int, op=None) -> list[float]:
     """Sum (or `op`) of a few floats over all ranks."""
     if world == 1:
@@ -208,19 +230,9 @@ def train(args) -> dict:
             last = i == len(batches) - 1
             sync = ddp_model.no_sync() if (world > 1 and not last) else contextlib.nullcontext()
             with sync, autocast:
-                mask = batch["attention_mask"].to(device)
-                if electra:  # the generator masks, predicts and samples; the discriminator detects
-                    mlm, logits, labels, hits = ddp_model(*(batch[k].to(device) for k in
-                                                            ("masked_ids", "attention_mask", "masked_flags",
-                                                             "original_ids", "uniforms")))
-                else:
-                    logits, labels = ddp_model(batch["input_ids"].to(device), mask), batch["labels"].to(device)
-                loss = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum")
-                # DDP averages gradients over ranks, so scale by W: the result is d(sum / global_tokens).
-                objective = loss * world / global_tokens
-                if electra:  # L = L_MLM + lambda * L_RTD (paper section 2)
-                    objective = mlm * world / global_masked + tc.electra_lambda * objective
-                objective.backward()
+                loss, mlm, hits = forward_losses(ddp_model, batch, device, electra)
+                # DDP averages gradients over ranks, so divide by global / W: the result is d(sum / global_tokens).
+                objective(loss, mlm, global_tokens / world, global_masked / world, tc.electra_lambda).backward()
             loss_sum += loss.item()
             if electra:
                 mlm_sum, mlm_hits = mlm_sum + mlm.item(), mlm_hits + float(hits)

@@ -90,39 +90,34 @@ def base_train_rows(out: Path) -> int:
 
 # --- measured speeds for the plan --------------------------------------------------------
 
-def measure_update_seconds(config: RunConfig, objective: str, corpus_dir: Path, repeats: int = 3) -> float:
-    """Median seconds of one trainer update of `objective` (the model, optimizer and batch of the
-    manifest, on real corpus rows; labels drawn at the mask rate: the cost does not depend on them)."""
+def measure_update_seconds(config: RunConfig, objective_name: str, corpus_dir: Path, repeats: int = 3) -> float:
+    """Median seconds of one trainer update of `objective_name` (the trainer's model, optimizer and loss
+    on a batch of real corpus rows; RTD labels drawn at the mask rate: the cost does not depend on them)."""
     from common.model import ReplacedTokenDetector
     from common.optim import build_optimizer
-    from train.__main__ import electra_tensors
+    from train.__main__ import electra_tensors, forward_losses, objective
     from train.data import to_tensors
     from train.electra import ElectraPair
     from train.online import OnlineStream
-    import torch.nn.functional as F
     tc, g = config.train, config.generate
     stream = OnlineStream(config, corpus_dir, None)
     torch.manual_seed(0)
     vocab = config.tokenizer.vocab_size
-    model = ElectraPair(config.model, vocab) if objective == "electra" else ReplacedTokenDetector(config.model, vocab)
+    electra = objective_name == "electra"
+    model = ElectraPair(config.model, vocab) if electra else ReplacedTokenDetector(config.model, vocab)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
     rng, times = np.random.default_rng(0), []
     for i in range(repeats + 1):  # the first update warms up, untimed
         rows = stream.rows(i * tc.batch_size, (i + 1) * tc.batch_size)
         t0 = time.perf_counter()
-        if objective == "electra":
+        if electra:
             batch = electra_tensors(rows, seed=config.seed, mask_prob=g.mask_prob)
-            mask = batch["attention_mask"]
-            mlm, logits, labels, _ = model(batch["masked_ids"], mask, batch["masked_flags"], batch["original_ids"],
-                                           batch["uniforms"])
-            loss = mlm / batch["masked_flags"].sum() + tc.electra_lambda * \
-                F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask])
         else:
             rows["labels"] = [rng.random(len(r)) < g.mask_prob for r in rows["input_ids"]]
             batch = to_tensors(rows)
-            mask = batch["attention_mask"]
-            loss = F.binary_cross_entropy_with_logits(model(batch["input_ids"], mask)[mask].float(),
-                                                      batch["labels"][mask])
+        rtd, mlm, _ = forward_losses(model, batch, "cpu", electra)
+        loss = objective(rtd, mlm, float(batch["attention_mask"].sum()),
+                         float(batch["masked_flags"].sum()) if electra else 0.0, tc.electra_lambda)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
         optimizer.step()
@@ -239,8 +234,9 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
     atomic_write_text(cfg_path, dump_finetune_toml(ft_cfg))
 
     methods = [m for m in r.methods if m != "none"]
-    plans, update_s = {}, {}
-    for method in methods:  # measured one after another, before any method runs
+    plans = load_plans(out, base, methods)
+    update_s = {}
+    for method in (m for m in methods if m not in plans):  # measured one after another, before any method runs
         config = method_config(base, method, out)
         objective = "electra" if method == "electra" else "fast-offline"  # the offline three: one RTD update
         if objective not in update_s:
@@ -253,6 +249,7 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
                                                  + (r.generation_startup_s if method in OFFLINE else 0.0))}
         print(f"reproduce: {method}: {update_s[objective]:.3f} s/update + {gen_update_s:.3f} s of generation per update "
               f"-> {plans[method]['updates']} updates planned", flush=True)
+    save_plans(out, base, plans)
 
     timings = {m: pretrain(m, base, out, plans[m]) for m in methods}
     points = []
@@ -272,6 +269,23 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
     plot(result, out / "reproduce.png")
     print(report(result))
     return result
+
+
+def plans_key(base: RunConfig, method: str) -> dict:
+    """What a method's plan depends on: its manifest (budget and start-up allowances included)."""
+    return config_to_dict(method_config(base, method, Path(base.work_dir)))
+
+
+def load_plans(out: Path, base: RunConfig, methods: list[str]) -> dict:
+    """Plans measured by an earlier run of this reproduction, for methods whose manifest is unchanged:
+    a rerun keeps them, so finished pre-training is not redone because a new measurement differs."""
+    path = out / "plans.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return {m: saved[m]["plan"] for m in methods if m in saved and saved[m]["key"] == plans_key(base, m)}
+
+
+def save_plans(out: Path, base: RunConfig, plans: dict) -> None:
+    atomic_write_json(out / "plans.json", {m: {"key": plans_key(base, m), "plan": p} for m, p in plans.items()})
 
 
 def prepare_shared(base: RunConfig, manifest: Path, out: Path) -> dict:
