@@ -180,9 +180,9 @@ def pretrain(method: str, base: RunConfig, out: Path, plan: dict) -> dict:
             start -= timing["generate_s"]  # shards of this very plan are reused: their time still counts
         atomic_write_json(timing_path, timing)
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run restarts: its clock did too
-    timing["train_start"] = time.time()
+    timing.update(start=start, deadline=start + base.reproduce.budget_s, train_start=time.time())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "train",
-           "--manifest", str(manifest), "--out", str(run_dir), "--deadline", str(start + base.reproduce.budget_s)]
+           "--manifest", str(manifest), "--out", str(run_dir), "--deadline", repr(timing["deadline"])]
     if method in OFFLINE:
         cmd += ["--data", str(home / "epochs")]
     run(cmd, f"{method}: train")
