@@ -168,3 +168,11 @@ def test_reproduce_end_to_end_under_the_budget_and_rerun_redoes_nothing(tmp_path
     again = rp.reproduce(manifest, out, tmp_path / "tasks")
     assert again["timings"] == timings and again["points"] == points   # nothing trained or fine-tuned again
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")} == before
+
+    # another fine-tuning setting: fine-tuned again in its own folders, nothing pre-trained again
+    data["reproduce"]["finetune"]["grid"]["lr"] = [5e-4]
+    manifest.write_text(dump_toml(config_from_dict(data)))
+    third = rp.reproduce(manifest, out, tmp_path / "tasks")
+    assert third["timings"] == timings and len(third["points"]) == len(points)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")} == before
+    assert len(list((out / "none" / "finetune").iterdir())) == 2

@@ -24,7 +24,8 @@ Output folder (default WORK_DIR):
     pretrain.jsonl, corpus/, aux/           pre-training text, tokenizer and rows, the aux model
     <method>/manifest.toml, epochs/, run/   the method's resolved manifest, shards, trainer run
     <method>/timing.json                    its planned updates and measured seconds
-    <method>/finetune/step-XXXXXXXX/        fine-tuning of each checkpoint (floor: none/finetune/init)
+    <method>/finetune/ft-HASH/step-XXXXXXXX/  fine-tuning of each checkpoint, per fine-tuning config
+                                            (floor: none/finetune/ft-HASH)
     reproduce.json, reproduce.md, reproduce.png   the table and the figure
 Rerunning skips finished pieces: a method whose training did not finish is trained again from the
 start (its clock restarts; reused shards keep their measured generation time).
@@ -32,6 +33,7 @@ start (its clock restarts; reused shards keep their measured generation time).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -180,6 +182,7 @@ def pretrain(method: str, base: RunConfig, out: Path, plan: dict) -> dict:
             start -= timing["generate_s"]  # shards of this very plan are reused: their time still counts
         atomic_write_json(timing_path, timing)
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run restarts: its clock did too
+    shutil.rmtree(home / "finetune", ignore_errors=True)  # fine-tuning of checkpoints that are gone
     timing.update(start=start, deadline=start + base.reproduce.budget_s, train_start=time.time())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "train",
            "--manifest", str(manifest), "--out", str(run_dir), "--deadline", repr(timing["deadline"])]
@@ -232,6 +235,8 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
     atomic_write_text(cfg_path, "[finetune]\n" + dump_toml_table(r.finetune))
     ft_cfg = resolve_config(cfg_path, task="rotten_tomatoes")
     atomic_write_text(cfg_path, dump_finetune_toml(ft_cfg))
+    # fine-tuning folders are per fine-tuning config: changing [reproduce.finetune] redoes them, elsewhere
+    ft_name = "ft-" + hashlib.sha256(dump_finetune_toml(ft_cfg).encode()).hexdigest()[:10]
 
     methods = [m for m in r.methods if m != "none"]
     plans = load_plans(out, base, methods)
@@ -256,10 +261,10 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
     for method in methods:
         for ckpt in timings[method]["checkpoints"]:
             scores = finetune_point(ft_cfg, Path(ckpt["path"]), shared_manifest,
-                                    out / method / "finetune" / f"step-{ckpt['step']:08d}", tasks_dir)
+                                    out / method / "finetune" / ft_name / f"step-{ckpt['step']:08d}", tasks_dir)
             points.append({"method": method, **ckpt, **scores})
     if "none" in r.methods:
-        scores = finetune_point(ft_cfg, None, shared_manifest, out / "none" / "finetune" / "init", tasks_dir)
+        scores = finetune_point(ft_cfg, None, shared_manifest, out / "none" / "finetune" / ft_name, tasks_dir)
         points.append({"method": "none", "step": 0, "seconds": 0.0, **scores})
     result = {"manifest": str(manifest), "budget_s": r.budget_s, "prep": prep, "plans": plans, "timings": timings,
               "points": points, "finetune": dump_finetune_toml(ft_cfg), "date": time.strftime("%Y-%m-%d"),
@@ -272,8 +277,11 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
 
 
 def plans_key(base: RunConfig, method: str) -> dict:
-    """What a method's plan depends on: its manifest (budget and start-up allowances included)."""
-    return config_to_dict(method_config(base, method, Path(base.work_dir)))
+    """What a method's plan depends on: its manifest (budget and start-up allowances included), not
+    the fine-tuning settings."""
+    key = config_to_dict(method_config(base, method, Path(base.work_dir)))
+    del key["reproduce"]["finetune"]
+    return key
 
 
 def load_plans(out: Path, base: RunConfig, methods: list[str]) -> dict:
@@ -306,7 +314,7 @@ def prepare_shared(base: RunConfig, manifest: Path, out: Path) -> dict:
     return prep
 
 
-def dump_toml_table(values: dict, prefix: str = "") -> str:
+def dump_toml_table(values: dict) -> str:
     """A plain dict as TOML key = value lines (nested dicts inline)."""
     from common.config import _toml_value
     return "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
