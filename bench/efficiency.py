@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
+from bench.flops import PRESETS, Encoder, encoder_forward_flops, output_layer_flops
 from common.checkpoint import AUX_FILE, save_aux
 from common.config import config_from_dict, config_to_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text
@@ -58,7 +58,6 @@ from train.online import OnlineStream
 
 RESULTS = Path("bench/results")
 MODES = ("electra", "fast-online", "fast-offline")
-PAPER_VOCAB, PAPER_HIDDEN = 128_000, 768  # base: V / d = 166.7 (paper appendix A)
 
 
 def bench_config(manifest: str, layers: int):
@@ -68,8 +67,10 @@ def bench_config(manifest: str, layers: int):
 
 
 def paper_vocab(hidden_size: int) -> int:
-    """The paper's vocabulary-to-width proportion at `hidden_size`: 128000 * 256 / 768 = 42667."""
-    return round(PAPER_VOCAB * hidden_size / PAPER_HIDDEN)
+    """The paper's vocabulary-to-width proportion (manifests/base.toml: 128000 / 768) at `hidden_size`:
+    42667 at 256."""
+    base = load_manifest(PRESETS["base"])
+    return round(base.tokenizer.vocab_size * hidden_size / base.model.hidden_size)
 
 
 def vocab_arg(text: str) -> str | int:

@@ -97,7 +97,8 @@ def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
     if electra:  # the generator masks, predicts and samples; the discriminator detects
         mlm, logits, labels, hits = model(*(batch[k].to(device) for k in ELECTRA_INPUTS))
     else:
-        (logits, labels), mlm, hits = (model(batch["input_ids"].to(device), mask), batch["labels"].to(device)), None, None
+        logits, labels = model(batch["input_ids"].to(device), mask), batch["labels"].to(device)
+        mlm = hits = None
     rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum")
     return rtd, mlm, hits
 
@@ -260,14 +261,14 @@ def train(args) -> dict:
         if deadline:  # a wall-clock budget (make reproduce): every rank stops after the same update
             deadline_hit = all_reduce([float(time.time() >= deadline)], world,
                                       dist.ReduceOp.MAX if world > 1 else None)[0] > 0 and step < total_steps
-        last = step == total_steps or deadline_hit
+        final = step == total_steps or deadline_hit
         tokens_seen += global_tokens
         tokens_per_s = tokens_seen / (time.time() - t_start)
         bar.update(1)
         if is_main:
             bar.set_postfix(loss=f"{step_loss:.4f}", T=f"{temps[1]:.3f}", tok_s=f"{tokens_per_s:.0f}")
         record = None
-        if step % tc.log_every == 0 or last:
+        if step % tc.log_every == 0 or final:
             record = {"step": step, "time": time.time(), "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
                       "temperature_min": temps[0], "temperature_max": temps[1], "tokens_per_s": tokens_per_s,
                       "peak_memory_mb": peak_memory_mb(device), "nonfinite_steps": nonfinite_total,
@@ -275,7 +276,7 @@ def train(args) -> dict:
             if electra:
                 record.update(generator_mlm_loss=mlm_sum / global_masked, generator_top1=mlm_hits / global_masked)
             temps = [math.inf, -math.inf]
-        if step % tc.eval_every == 0 or last:
+        if step % tc.eval_every == 0 or final:
             if is_main:
                 evaluation = evaluate(detector, valid, device, autocast)
                 history["last"] = {"step": step, **evaluation}
@@ -287,7 +288,7 @@ def train(args) -> dict:
                 f.write(json.dumps(record) + "\n")
             if "val_loss" in record:
                 plot_curves(run_dir)
-        if step % tc.ckpt_every == 0 or last:
+        if step % tc.ckpt_every == 0 or final:
             # every rank's dropout stream: CPU generator and, on GPU, the CUDA one
             own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
             rng_states = [None] * world

@@ -12,6 +12,7 @@ and can be widened (`--set grid.epochs=[2,3,5,10]`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import tomllib
@@ -141,9 +142,10 @@ def parse_set(assignment: str) -> tuple[list[str], object]:
 
 
 def resolve_config(toml_path: str | Path | None = None, sets: list[str] = (),
-                   task: str | None = None) -> FinetuneConfig:
-    """Defaults < the GLUE layout of the task folder's name < the TOML's [finetune] < --set < --task."""
-    data: dict = {}
+                   task: str | None = None, table: dict | None = None) -> FinetuneConfig:
+    """Defaults < the GLUE layout of the task folder's name < the TOML's [finetune] (or `table`, the
+    same keys as a dict) < --set < --task."""
+    data: dict = copy.deepcopy(table) if table else {}
     if toml_path:
         path = Path(toml_path)
         try:

