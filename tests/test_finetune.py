@@ -141,6 +141,23 @@ def test_longest_first_truncation_matches_bert_loop():
                 assert ft.truncate_pair(a, b, budget) == bert(a, b, budget), (a, b, budget)
 
 
+def test_epoch_batches_pool_by_length_and_one_means_plain_random_batches():
+    lengths = np.random.default_rng(0).integers(3, 60, size=1000)
+    plain = ft.epoch_batches(lengths, 32, 1, np.random.default_rng([7, 0]))
+    order = np.random.default_rng([7, 0]).permutation(1000)  # the order before pools existed
+    assert all((b == order[i * 32:(i + 1) * 32]).all() for i, b in enumerate(plain)) and len(plain) == 32
+    pooled = ft.epoch_batches(lengths, 32, 10, np.random.default_rng([7, 0]))
+    again = ft.epoch_batches(lengths, 32, 10, np.random.default_rng([7, 0]))
+    assert all((a == b).all() for a, b in zip(pooled, again))
+    assert sorted(np.concatenate(pooled).tolist()) == list(range(1000)) and len(pooled) == len(plain)
+    assert sorted(len(b) for b in pooled)[1:] == [32] * 31  # one partial batch, as without pools
+    padded = lambda batches: sum(int(lengths[b].max()) * len(b) for b in batches)
+    assert padded(pooled) < 0.75 * padded(plain)
+    pools = [set(order[i:i + 320].tolist()) for i in range(0, 1000, 320)]  # each batch from one pool
+    pool_of = [next(i for i, p in enumerate(pools) if set(b.tolist()) <= p) for b in pooled]
+    assert pool_of != sorted(pool_of)  # the batches are shuffled across pools
+
+
 # --- config -----------------------------------------------------------------------------
 
 def test_config_defaults_glue_layouts_overrides_and_round_trip(tmp_path):

@@ -168,6 +168,20 @@ def encode(tokenizer: Tokenizer, examples: Examples, max_len: int) -> list[np.nd
     return out
 
 
+def epoch_batches(lengths: np.ndarray, batch_size: int, pool: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """One epoch's batches of row indices, from `rng` only. A permutation of the rows; with pool > 1
+    it is cut into pools of `pool` batches, each pool is sorted by length (stable) and cut into batches,
+    and the batches are shuffled: a batch holds rows of similar length, so it pads less, and any two
+    rows of a pool can still meet. pool = 1: consecutive slices of the permutation."""
+    order = rng.permutation(len(lengths))
+    if pool > 1:
+        span = pool * batch_size
+        order = np.concatenate([part[np.argsort(lengths[part], kind="stable")]
+                                for part in np.split(order, range(span, len(order), span))])
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))] if pool > 1 else batches
+
+
 def collate(ids: list[np.ndarray], rows: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
     chosen = [ids[i] for i in rows]
     batch = pad_rows(chosen)
@@ -212,7 +226,7 @@ def finetune_run(model: SequenceClassifier, train: tuple[list[np.ndarray], np.nd
                  dev: tuple[list[np.ndarray], np.ndarray], point: dict, seed: int, cfg: FinetuneConfig,
                  num_labels: int, device, progress: bool = True) -> dict:
     """Train `model` on `train` with the settings of one grid point (paper appendix A) and score
-    it on `dev` after the last update. Data order per epoch comes from (seed, epoch) only."""
+    it on `dev` after the last update. Batches per epoch come from (seed, epoch) only (`epoch_batches`)."""
     train_ids, train_labels = train
     regression = num_labels == 1
     model.to(device).train()
@@ -222,17 +236,15 @@ def finetune_run(model: SequenceClassifier, train: tuple[list[np.ndarray], np.nd
     warmup = int(round(point["warmup_fraction"] * total))
     optimizer = build_adamax(model, point["lr"], cfg.betas, cfg.eps, point["weight_decay"])
     scheduler = build_scheduler(optimizer, warmup, total)
-    labels = torch.from_numpy(train_labels)
+    labels, lengths = torch.from_numpy(train_labels), np.array([len(r) for r in train_ids])
     losses, epoch_losses, step, t0 = [], [], 0, time.time()
     bar = tqdm(total=total, desc=f"{point_name(point)} seed={seed}", unit="step", leave=False, disable=not progress)
     for epoch in range(point["epochs"]):
         if step == total:
             break
-        order = np.random.default_rng([seed, epoch]).permutation(len(train_ids))
-        for start in range(0, len(order), point["batch_size"]):
+        for rows in epoch_batches(lengths, point["batch_size"], cfg.length_pool, np.random.default_rng([seed, epoch])):
             if step == total:
                 break
-            rows = order[start:start + point["batch_size"]]
             logits = model(*collate(train_ids, rows, device)).float()
             target = labels[rows].to(device)
             loss = F.mse_loss(logits[:, 0], target) if regression else F.cross_entropy(logits, target)
