@@ -19,6 +19,9 @@ vocabulary, valid in the bigger tables. Results: bench/results/efficiency-paper-
 `make bench-efficiency BENCH_VOCAB=paper`.
 Memory: on GPU, torch.cuda.max_memory_allocated per mode; on CPU, each mode runs in its own process
 and reports its peak RSS above the process's RSS before the mode built anything.
+Allocator (CPU): glibc gives big freed blocks back to the kernel, so every update faults its activations'
+pages in again; the minor page faults per update are reported. `--keep-freed-memory` times with them kept,
+as the CUDA caching allocator keeps them (common/cpu_memory.py; results get a `-kept-memory` suffix).
 Break-even: generation is paid once (g seconds per update's worth of rows, measured here with the
 generator's own Corruptor + Parquet writer); offline's total cost over n runs, g + n * t_off, beats
 online's n * t_on from n >= g / (t_on - t_off).
@@ -30,6 +33,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -45,6 +49,7 @@ import torch
 
 from bench.flops import PRESETS, Encoder, encoder_forward_flops, output_layer_flops
 from common.checkpoint import AUX_FILE, save_aux
+from common.cpu_memory import keep_freed_memory
 from common.config import config_from_dict, config_to_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from common.corpus import load_corpus_meta
@@ -239,6 +244,9 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=4)
     parser.add_argument("--vocab", type=vocab_arg, default=0,
                         help="models' vocabulary: 0 = the data's (default), 'paper' = round(128000 * hidden / 768), or N")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="CPU: time with freed blocks kept in the process, as the CUDA caching allocator keeps "
+                             "them (common/cpu_memory.py; default: glibc's default, which gives them back)")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--aux", default=None, help=argparse.SUPPRESS)  # the probe gets the parent's aux.pt
     args = parser.parse_args(argv)
@@ -259,20 +267,26 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
     """Time the three modes interleaved, probe their memory, time generation; write the results."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     is_paper = vocab == paper_vocab(config.model.hidden_size)
+    allocator = "cuda caching allocator"
+    if device.type == "cpu":
+        allocator = "glibc, freed memory kept" if args.keep_freed_memory and keep_freed_memory() else "glibc default"
     if config.aux.num_layers * 3 != args.layers:
         print(f"note: aux has {config.aux.num_layers} layers, main {args.layers}: not the paper's 1/3")
 
     modes = {name: Mode(name, config, data_dir, device, vocab, aux_path) for name in MODES}
     for mode in modes.values():  # warm-up, not timed
         mode.step()
-    times = {name: [] for name in MODES}
+    times, faults = {name: [] for name in MODES}, {name: 0 for name in MODES}
     while len(times["fast-offline"]) < args.steps:
         for name, mode in modes.items():  # blocks alternate: machine drift hits every mode alike
             for _ in range(args.block):
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = time.perf_counter()
                 mode.step()
                 times[name].append(time.perf_counter() - t0)
+                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     seconds = {name: statistics.median(t) for name, t in times.items()}
+    faults = {name: faults[name] / len(times[name]) for name in MODES}
     del modes
 
     memory = {}
@@ -302,7 +316,8 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
                   "hidden": config.model.hidden_size, "seq_len": config.corpus.max_seq_len, "batch_rows": config.train.batch_size,
                   "vocab": vocab, "data_vocab": config.tokenizer.vocab_size, "paper_vocab_proportion": is_paper,
                   "vocab_per_hidden": vocab / config.model.hidden_size},
-        "seconds_per_update": seconds, "peak_memory_mb": memory,
+        "seconds_per_update": seconds, "peak_memory_mb": memory, "allocator": allocator,
+        "minor_page_faults_per_update": faults,
         "ratio_offline_vs_electra": seconds["fast-offline"] / seconds["electra"],
         "ratio_online_vs_electra": seconds["fast-online"] / seconds["electra"],
         "memory_ratio_offline_vs_electra": memory["fast-offline"] / memory["electra"],
@@ -315,24 +330,29 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
     stem = "efficiency" if device.type == "cpu" else "efficiency-gpu"
     if vocab != config.tokenizer.vocab_size:  # the default shape's results stay where they are
         stem += "-paper-vocab" if is_paper else f"-vocab{vocab}"
+    if allocator.endswith("kept"):
+        stem += "-kept-memory"
     atomic_write_json(RESULTS / f"{stem}.json", result)
     mem_unit = "MB of RSS above the process baseline" if device.type == "cpu" else "MB (max allocated)"
     s, mem, d = seconds, memory, config.model.hidden_size
     md = [f"# bench-efficiency ({result['device']})", "",
           f"`python -m bench.efficiency --manifest {args.manifest} --layers {args.layers} --steps {args.steps}"
-          f"{f' --vocab {args.vocab}' if args.vocab else ''}` on "
+          f"{f' --vocab {args.vocab}' if args.vocab else ''}{' --keep-freed-memory' if args.keep_freed_memory else ''}` on "
           f"{result['machine']}, {result['cpu_count']} cores, torch {result['torch']}. Main model {args.layers} x "
           f"{config.model.hidden_size}, aux {config.aux.num_layers} layers, generator {generator_layers(config.model)} layers, "
           f"{config.train.batch_size} rows x {config.corpus.max_seq_len} tokens per update; medians of {args.steps} "
-          f"interleaved updates per method.", "",
+          f"interleaved updates per method. Allocator while timing: {allocator}"
+          f"{' (common/cpu_memory.py; the memory probes run with the default)' if allocator.endswith('kept') else ''}.", "",
           (f"Vocabulary: the data's, {vocab} tokens (V / d = {vocab / d:.1f}; the paper's base: 166.7)."
            if vocab == config.tokenizer.vocab_size else
            f"Vocabulary: {vocab} tokens in every model (V / d = {vocab / d:.1f}"
            f"{', the paper proportion 128000 / 768' if is_paper else ''}); the data's {config.tokenizer.vocab_size} "
            f"ids in bigger tables, fast-online's aux model a seeded random one of that vocabulary."), "",
-          f"| method | s / update | ratio | peak memory, {mem_unit} | ratio |", "|---|---|---|---|---|"]
+          f"| method | s / update | ratio | minor page faults / update | peak memory, {mem_unit} | ratio |",
+          "|---|---|---|---|---|---|"]
     for name in MODES:
-        md.append(f"| {name} | {s[name]:.4f} | {s[name] / s['electra']:.3f} | {mem[name]:.0f} | {mem[name] / mem['electra']:.3f} |")
+        md.append(f"| {name} | {s[name]:.4f} | {s[name] / s['electra']:.3f} | {faults[name]:.0f} | {mem[name]:.0f} | "
+                  f"{mem[name] / mem['electra']:.3f} |")
     md += ["", f"Analytic FLOPs ratio fast-offline / electra for this shape: {analytic['paper_convention']['offline_vs_electra']:.3f} "
            f"(paper convention), {analytic['as_executed']['offline_vs_electra']:.3f} (as executed: lookups free, output layers counted); "
            f"fast-online / electra: {analytic['paper_convention']['online_vs_electra']:.3f} / {analytic['as_executed']['online_vs_electra']:.3f}.",

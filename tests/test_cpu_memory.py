@@ -1,0 +1,33 @@
+"""common/cpu_memory.py: with freed memory kept, an update-like loop of big allocations stops
+faulting its pages in again (measured in fresh processes, the allocator's settings are per process)."""
+import subprocess
+import sys
+
+import pytest
+
+LOOP = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from common.cpu_memory import keep_freed_memory
+    assert keep_freed_memory()
+torch.ones(1).add_(1)  # torch's own start-up allocations happen before the count
+rounds = []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    tensors = [torch.ones(n) for n in (16 << 20, 12 << 20, 3 << 20)]  # 64, 48 and 12 MB, then freed
+    del tensors
+    rounds.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(rounds[-3:]))  # steady state: the first rounds fault while the heap grows to its peak
+"""
+
+
+def faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", LOOP, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_kept_memory_is_reused_without_page_faults():
+    default, kept = faults("default"), faults("keep")
+    assert default > 3 * 30000  # three rounds of ~124 MB given back to the kernel and faulted in again (4 KiB pages)
+    assert kept < default / 20
