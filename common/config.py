@@ -265,7 +265,7 @@ REPRODUCE_METHODS = ("electra", "fast-offline", "fixed-aux", "term-frequency", "
 @dataclass
 class ReproduceConfig:
     """`make reproduce`: one wall-clock pre-training budget per method, then fine-tuning (train/reproduce.py)."""
-    budget_s: float = 360.0
+    budget_s: float = 600.0
     """Wall-clock seconds per method, generation included (start of generation to last checkpoint)."""
     methods: list[str] = field(default_factory=lambda: list(REPRODUCE_METHODS))
     """Any of 'electra', 'fast-offline', 'fixed-aux' (aux at T = 1), 'term-frequency', 'none' (no pre-training)."""
