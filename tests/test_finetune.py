@@ -278,6 +278,38 @@ def test_same_seed_same_result_and_pretrained_weights_are_used(backbone_files, t
     assert fresh["layers.0.qkv.weight"].shape == expected["layers.0.qkv.weight"].shape
 
 
+
+def test_embedding_rows_rescaled_same_function_faster_turning(backbone_files):
+    """Rows grown by pre-training (here x19 with uneven row scales) are set to RMS 0.02: the encoder's
+    output barely moves (LayerNorm per token), while one AdaMax update turns the rows ~19x more."""
+    work, config, checkpoint, _ = backbone_files
+    backbone = ft.load_backbone(str(checkpoint), "unused", "pretrained", str(config.corpus_dir))
+    ids = torch.tensor([[2, 17, 40, 99, 3, 0], [2, 250, 8, 61, 77, 3]])
+    mask = ids != 0
+    turned = {}
+    for rescale in (False, True):
+        model = ft.build_classifier(backbone, 2, 0.0, seed=0)
+        with torch.no_grad():
+            model.encoder.embed.weight.mul_(19 * torch.linspace(0.5, 1.5, 320)[:, None])
+        model.eval()
+        before = model.encoder(ids, mask)
+        if rescale:
+            ft.rescale_embedding_rows(model.encoder, 0.02)
+            rms = model.encoder.embed.weight.pow(2).mean(dim=1).sqrt()
+            assert torch.equal(model.encoder.embed.weight[0], torch.zeros(config.model.hidden_size))  # padding
+            assert torch.allclose(rms[1:], torch.full((319,), 0.02), rtol=1e-5)
+            after = model.encoder(ids, mask)
+            assert (after - before).abs().max() < 5e-3     # states of size ~1: LayerNorm's eps only
+        model.train()
+        rows = model.encoder.embed.weight[ids[0, 1:4]].detach().clone()
+        opt = ft.build_adamax(model, lr=1e-3, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)
+        torch.nn.functional.cross_entropy(model(ids, mask), torch.tensor([0, 1])).backward()
+        opt.step()
+        moved = model.encoder.embed.weight[ids[0, 1:4]].detach()
+        turned[rescale] = (1 - torch.nn.functional.cosine_similarity(rows, moved, dim=1)).mean().item()
+    assert turned[True] > 100 * turned[False]     # the angle's cosine gap grows as the square of the ratio
+
+
 def test_regression_pair_task_reports_spearman(backbone_files, tmp_path):
     torch.set_num_threads(1)
     rng = np.random.default_rng(4)
