@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
@@ -78,6 +79,17 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     return {"corpus": corpus, "aux": aux, "key": key}
 
 
+def check_same_device(done: Iterable[dict], device: str, out_dir: Path) -> None:
+    """Shards of one folder come from one kind of device. The aux model runs in bf16 autocast on GPU
+    and fp32 on CPU, so the same row can be corrupted differently on each: resuming a GPU folder on
+    CPU (or the reverse) would make the rows depend on where each shard ran (DESIGN.md, determinism)."""
+    earlier = sorted({r["device"] for r in done if "device" in r} - {device})
+    if earlier:
+        raise OutputConflict(f"{out_dir} holds shards made on {' and '.join(earlier)} and this run's workers would "
+                             f"use {device}; the aux model's numerics differ between them (bf16 on GPU, fp32 on "
+                             f"CPU). Resume on {' or '.join(earlier)}, or use --force to redo those shards on {device}")
+
+
 def verified(record: dict | None, out_dir: Path) -> bool:
     """A finished shard is trusted only if its size and sha256 match its record."""
     if not record:
@@ -132,7 +144,7 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     atomic_write_json(out_dir / PLAN_FILE, {"generation_key": checked["key"], "tasks": len(tasks)})
     save_resolved(config, out_dir)
 
-    from generate.job import read_progress, run_tasks
+    from generate.job import actor_device, read_progress, run_tasks
     known = read_progress(out_dir)  # holds the same sizes and hashes as manifest.json
     manifest_path = out_dir / MANIFEST_FILE
     done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir)}
@@ -140,6 +152,12 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     if manifest_path.is_file() and not todo:
         log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards)")
         return json.loads(manifest_path.read_text())
+    if todo:
+        device = actor_device(address, workers)
+        if force:  # shards of another kind of device are redone here
+            done = {path: r for path, r in done.items() if r.get("device", device) == device}
+            todo = [t for t in tasks if t.path not in done]
+        check_same_device(done.values(), device, out_dir)
     manifest_path.unlink(missing_ok=True)  # only a complete, verified folder has a manifest
     log(f"generate: {len(tasks)} shards planned, {len(done)} already done, {len(todo)} to run "
         f"on {workers} worker(s)")
@@ -168,7 +186,7 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
         "total_rows": per_epoch * config.generate.epochs,
         "epochs": epochs,
         "valid": valid,
-        "devices": sorted({r.get("device", "?") for r in records}),
+        "devices": sorted({r.get("device", "?") for r in all_records}),
         "seconds": seconds,
     }
     atomic_write_json(manifest_path, manifest)

@@ -87,6 +87,13 @@ def start_ray(address: str | None, workers: int) -> None:
                  runtime_env={"env_vars": env} if env else None)
 
 
+def actor_device(address: str | None, workers: int) -> str:
+    """The kind of device this run's shard actors will compute on: every actor gets a GPU when the
+    cluster has one (`run_tasks`), else all run on CPU. Starts Ray."""
+    start_ray(address, workers)
+    return "cuda" if int(ray.cluster_resources().get("GPU", 0)) > 0 else "cpu"
+
+
 def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None,
               tasks_in_flight: int = 0) -> list[dict]:
     """Run `tasks` on `workers` actors, `tasks_in_flight` at a time on each (0: 2 on GPU, 1 on CPU);
