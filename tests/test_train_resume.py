@@ -123,9 +123,10 @@ def test_two_nodes_on_loopback_train_and_resume(boundary_setup, tmp_path, env_wi
 
 def test_existing_run_without_resume_is_refused(generated, tmp_path, env_with_repo):
     manifest, data, _ = generated
-    run = tmp_path / "run"
-    subprocess.run(_train_cmd(manifest, data, run), cwd=ROOT, env=env_with_repo, check=True,
-                   capture_output=True, timeout=300)
+    run = tmp_path / "run"  # an interrupted run (killed after its step-4 checkpoint): what a rerun most often meets
+    killed = subprocess.run(_train_cmd(manifest, data, run), cwd=ROOT, env={**env_with_repo, KILL_AT_STEP_ENV: "4"},
+                            capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL and (run / "checkpoints" / "step-00000004.pt").is_file()
     result = subprocess.run(_train_cmd(manifest, data, run), cwd=ROOT, env=env_with_repo,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "pass --resume" in result.stderr
