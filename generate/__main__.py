@@ -22,7 +22,6 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
@@ -77,17 +76,6 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
             raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}; use another --out or --force")
         shutil.rmtree(out_dir)
     return {"corpus": corpus, "aux": aux, "key": key}
-
-
-def check_same_device(done: Iterable[dict], device: str, out_dir: Path) -> None:
-    """Shards of one folder come from one kind of device. The aux model runs in bf16 autocast on GPU
-    and fp32 on CPU, so the same row can be corrupted differently on each: resuming a GPU folder on
-    CPU (or the reverse) would make the rows depend on where each shard ran (DESIGN.md, determinism)."""
-    earlier = sorted({r["device"] for r in done if "device" in r} - {device})
-    if earlier:
-        raise OutputConflict(f"{out_dir} holds shards made on {' and '.join(earlier)} and this run's workers would "
-                             f"use {device}; the aux model's numerics differ between them (bf16 on GPU, fp32 on "
-                             f"CPU). Resume on {' or '.join(earlier)}, or use --force to redo those shards on {device}")
 
 
 def verified(record: dict | None, out_dir: Path) -> bool:
@@ -153,11 +141,17 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
         log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards)")
         return json.loads(manifest_path.read_text())
     if todo:
+        # Shards of one folder come from one kind of device: the aux model runs in bf16 autocast on GPU and
+        # fp32 on CPU, so finishing a GPU folder on CPU (or the reverse) would make rows depend on where each
+        # shard ran (DESIGN.md, determinism). Refused; --force redoes the other kind's shards here.
         device = actor_device(address, workers)
-        if force:  # shards of another kind of device are redone here
-            done = {path: r for path, r in done.items() if r.get("device", device) == device}
-            todo = [t for t in tasks if t.path not in done]
-        check_same_device(done.values(), device, out_dir)
+        other = sorted({r["device"] for r in done.values() if r.get("device", device) != device})
+        if other and not force:
+            raise OutputConflict(f"{out_dir} holds shards made on {' and '.join(other)} and this run's workers would "
+                                 f"use {device}; the aux model's numerics differ between them (bf16 on GPU, fp32 on "
+                                 f"CPU). Resume on {' or '.join(other)}, or use --force to redo those shards on {device}")
+        done = {path: r for path, r in done.items() if r.get("device", device) == device}
+        todo = [t for t in tasks if t.path not in done]
     manifest_path.unlink(missing_ok=True)  # only a complete, verified folder has a manifest
     log(f"generate: {len(tasks)} shards planned, {len(done)} already done, {len(todo)} to run "
         f"on {workers} worker(s)")

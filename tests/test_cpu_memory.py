@@ -13,9 +13,9 @@ if sys.argv[1] == "keep":
     assert keep_freed_memory()
 torch.ones(1).add_(1)  # torch's own start-up allocations happen before the count
 rounds = []
-for _ in range(8):
+for _ in range(16):  # the kept heap can take 4 rounds to settle (fragmentation), the default never does
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    tensors = [torch.ones(n) for n in (16 << 20, 12 << 20, 3 << 20)]  # 64, 48 and 12 MB, then freed
+    tensors = [torch.ones(n) for n in (16 << 20, 14 << 20, 3 << 20)]  # 64, 56 and 12 MB, then freed
     del tensors
     rounds.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(sum(rounds[-3:]))  # steady state: the first rounds fault while the heap grows to its peak
@@ -38,5 +38,5 @@ def huge_pages_always() -> bool:
 @pytest.mark.skipif(huge_pages_always(), reason="2 MB pages for every mapping: too few faults to compare")
 def test_kept_memory_is_reused_without_page_faults():
     default, kept = faults("default"), faults("keep")
-    assert default > 3 * 30000  # three rounds of ~124 MB given back to the kernel and faulted in again (4 KiB pages)
+    assert default > 3 * 30000  # three rounds of 120-132 MB given back to the kernel and faulted in again (4 KiB pages)
     assert kept < default / 20

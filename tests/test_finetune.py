@@ -278,11 +278,10 @@ def test_same_seed_same_result_and_pretrained_weights_are_used(backbone_files, t
     assert fresh["layers.0.qkv.weight"].shape == expected["layers.0.qkv.weight"].shape
 
 
-
 def test_embedding_rows_rescaled_same_function_faster_turning(backbone_files):
     """Rows grown by pre-training (here x19 with uneven row scales) are set to RMS 0.02: the encoder's
     output barely moves (LayerNorm per token), while one AdaMax update turns the rows ~19x more."""
-    work, config, checkpoint, _ = backbone_files
+    _, config, checkpoint, _ = backbone_files
     backbone = ft.load_backbone(str(checkpoint), "unused", "pretrained", str(config.corpus_dir))
     ids = torch.tensor([[2, 17, 40, 99, 3, 0], [2, 250, 8, 61, 77, 3]])
     mask = ids != 0
