@@ -73,8 +73,13 @@ class ModelConfig:
     """T5 relative-position max distance (paper: 128 base, 256 large)."""
     dropout: float = 0.1
     """Dropout on embeddings, attention probabilities and residual branches."""
+    rel_bias_locality: float = 0.0
+    """Initial relative-position bias -s_h ln(max(|d|, 1)), slopes s_h from this value (head 0) down to 0
+    (last head); 0 = T5's near-zero initialisation (paper). See `RelativePositionBias.init_locality`."""
 
     def __post_init__(self):
+        if self.rel_bias_locality < 0:
+            raise ConfigError(f"model.rel_bias_locality must be >= 0, got {self.rel_bias_locality}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if not 0.0 <= self.dropout < 1.0:

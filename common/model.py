@@ -41,10 +41,34 @@ def relative_position_bucket(relative_position: torch.Tensor, num_buckets: int, 
 class RelativePositionBias(nn.Module):
     """One learned scalar per (bucket, head), shared by all layers as in T5."""
 
-    def __init__(self, num_heads: int, num_buckets: int, max_distance: int):
+    def __init__(self, num_heads: int, num_buckets: int, max_distance: int, locality: float = 0.0):
         super().__init__()
-        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.num_buckets, self.max_distance, self.locality = num_buckets, max_distance, locality
         self.bias = nn.Embedding(num_buckets, num_heads)
+
+    def bucket_distances(self) -> torch.Tensor:
+        """The smallest |relative position| that falls in each bucket (0 for a bucket no distance
+        up to `max_distance` reaches)."""
+        rel = torch.arange(-self.max_distance, self.max_distance + 1)
+        buckets = relative_position_bucket(rel, self.num_buckets, self.max_distance)
+        smallest = torch.full((self.num_buckets,), self.max_distance + 1)
+        smallest.scatter_reduce_(0, buckets, rel.abs(), reduce="amin")
+        return torch.where(smallest > self.max_distance, 0, smallest)
+
+    @torch.no_grad()
+    def init_locality(self) -> None:
+        """Start attention local: bias = -s_h * ln(max(|d|, 1)) for head h, so a token weighs itself
+        and its two neighbours alike and farther ones by |d|^-s_h; slopes s_h evenly from `locality`
+        (head 0) down to 0 (the last head attends uniformly, as under T5's init).
+
+        A deviation from the paper (section 4.1 takes T5's bias, initialised near zero). Measured on
+        the tiny preset, the RTD loss sits at its base rate for ~600 updates while the learned bias
+        turns local (every head ends with +5..+8 on distance 1 and -5..-8 on itself); a local start
+        skips that wait. Applies to every model built with it: main, aux, generator, fine-tuning."""
+        heads = self.bias.embedding_dim
+        slopes = self.locality * torch.linspace(1.0, 0.0, heads) if heads > 1 else torch.full((1,), self.locality)
+        prior = -torch.log(self.bucket_distances().clamp(min=1).float())[:, None] * slopes[None, :]
+        self.bias.weight.copy_(prior.to(self.bias.weight.dtype))
 
     def forward(self, length: int) -> torch.Tensor:
         pos = torch.arange(length, device=self.bias.weight.device)
@@ -83,7 +107,8 @@ class Encoder(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size, padding_idx=PAD_ID)
         self.ln_embed = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
-        self.rel_bias = RelativePositionBias(cfg.num_heads, cfg.rel_buckets, cfg.rel_max_distance)
+        self.rel_bias = RelativePositionBias(cfg.num_heads, cfg.rel_buckets, cfg.rel_max_distance,
+                                             cfg.rel_bias_locality)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(num_layers))
         self.ln_final = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.dropout = cfg.dropout
@@ -132,7 +157,8 @@ class RTDHead(nn.Module):
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """BERT initialisation: N(0, 0.02) for matrices, zeros for biases, ones for LayerNorm."""
+    """BERT initialisation: N(0, 0.02) for matrices, zeros for biases, ones for LayerNorm; a
+    relative-position bias with a locality prior starts from it (`RelativePositionBias.init_locality`)."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=std)
@@ -144,6 +170,9 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+    for m in module.modules():
+        if isinstance(m, RelativePositionBias) and m.locality > 0:
+            m.init_locality()
 
 
 class MaskedLM(nn.Module):

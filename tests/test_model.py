@@ -1,7 +1,8 @@
 """The encoder: shapes, tied MLM head at masked positions only, padding invariance, buckets."""
+import pytest
 import torch
 
-from common.config import ModelConfig
+from common.config import ConfigError, ModelConfig
 from common.model import MaskedLM, ReplacedTokenDetector, count_parameters, relative_position_bucket
 
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, rel_buckets=8, rel_max_distance=16)
@@ -42,3 +43,27 @@ def test_relative_buckets_are_bidirectional_and_bounded():
     near = relative_position_bucket(torch.arange(0, 8), 32, 128)
     assert near.tolist() == [0, 17, 18, 19, 20, 21, 22, 23]  # exact for small distances
     assert relative_position_bucket(torch.tensor([200, 1000]), 32, 128).tolist() == [31, 31]
+
+
+def test_locality_prior_weighs_distances_by_power_law_per_head():
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, rel_buckets=32, rel_max_distance=128,
+                      rel_bias_locality=2.0)
+    torch.manual_seed(0)
+    model = ReplacedTokenDetector(cfg, 100)
+    bias = model.encoder.rel_bias(20)[0]  # (heads, L, L)
+    query = 10
+    for head, slope in enumerate([2.0, 4 / 3, 2 / 3, 0.0]):
+        row = bias[head, query]
+        # itself and its two neighbours alike, then |d|^-slope (exact buckets up to distance 7)
+        assert torch.allclose(row[[9, 10, 11]], torch.zeros(3), atol=1e-6)
+        for d in (2, 3, 7):
+            expected = -slope * torch.log(torch.tensor(float(d)))
+            assert torch.allclose(row[query - d], expected, atol=1e-5) and torch.allclose(row[query + d], expected, atol=1e-5)
+    # the attention it gives a fresh query: head 0 puts most weight within distance 3, the last is uniform
+    weights = torch.softmax(bias[:, query], dim=-1)
+    assert weights[0, 7:14].sum() > 0.6 and torch.allclose(weights[3], torch.full((20,), 1 / 20))
+    # off by default: T5's near-zero initialisation, and a negative slope is refused
+    plain = ReplacedTokenDetector(CFG, 100).encoder.rel_bias.bias.weight
+    assert plain.abs().max() < 0.2
+    with pytest.raises(ConfigError, match="rel_bias_locality"):
+        ModelConfig(rel_bias_locality=-1.0)
