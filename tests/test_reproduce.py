@@ -161,6 +161,9 @@ def test_reproduce_end_to_end_under_the_budget_and_rerun_redoes_nothing(tmp_path
     assert all(p["accuracy"]["n"] == 2 and 0.0 <= p["accuracy"]["median"] <= 1.0 for p in points)
     table = (out / "reproduce.md").read_text()
     assert all(rp.LABELS[m] in table for m in ("electra", "fast-offline", "none"))
+    offline_row = next(line for line in table.splitlines() if line.startswith(f"| {rp.LABELS['fast-offline']} |"))
+    assert offline_row.endswith(" / ".join(f"{c['val_auc']:.3f}" for c in timings["fast-offline"]["checkpoints"]) + " |")
+    assert next(line for line in table.splitlines() if line.startswith(f"| {rp.LABELS['none']} |")).endswith("| - |")
     assert (out / "reproduce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "generate" not in (out / "prep.json").read_text() and json.loads((out / "prep.json").read_text())["aux_s"] > 0
 

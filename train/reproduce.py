@@ -325,8 +325,8 @@ def report(result: dict) -> str:
              f"wall-clock per method (generation included), then Rotten Tomatoes dev accuracy, median [min, max] over "
              f"{seeds} fine-tuning seeds. Shared and charged to no method: corpus {prep['corpus_s']:.0f} s, aux model "
              f"training {prep['aux_s']:.0f} s (it stands for an existing model).", "",
-             "| method | generation s | training s | updates (planned) | checkpoint: seconds -> dev accuracy | final accuracy | final Matthews |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | generation s | training s | updates (planned) | checkpoint: seconds -> dev accuracy | final accuracy | final Matthews | held-out RTD AUC at the checkpoints |",
+             "|---|---|---|---|---|---|---|---|"]
     by_method: dict[str, list] = {}
     for p in result["points"]:
         by_method.setdefault(p["method"], []).append(p)
@@ -336,9 +336,10 @@ def report(result: dict) -> str:
         train_s = f"{t['train_s']:.0f}" if "train_s" in t else "-"
         updates = f"{t['updates_done']} ({t['updates_planned']})" if t else "0"
         curve = "; ".join(f"{p['seconds']:.0f} s -> {p['accuracy']['median']:.4f}" for p in pts)
+        auc = " / ".join(f"{p['val_auc']:.3f}" for p in pts if p.get("val_auc") is not None) or "-"
         last = pts[-1]
         lines.append(f"| {LABELS[method]} | {gen} | {train_s} | {updates} | {curve} | {fmt(last['accuracy'])} | "
-                     f"{fmt(last['matthews'])} |")
+                     f"{fmt(last['matthews'])} | {auc} |")
     return "\n".join(lines) + "\n"
 
 
