@@ -90,6 +90,41 @@ def test_method_manifests_and_the_plan(tmp_path):
     assert rp.plan_updates(5.0, 0.9, 10.0, 0.0, 3) == 3                       # at least one per checkpoint
 
 
+def test_pretraining_is_reused_only_for_the_very_manifest_it_ran(tmp_path, monkeypatch):
+    """A finished method comes back as it is for the same manifest; a changed model (same plan, same
+    update count) is generated and trained again, also after a stop before its new timing record was
+    written. `run`, the subprocess runner, stops at the first command it is given."""
+    from common.corpus import build_corpus
+    from tests.conftest import write_text_corpus
+    shared = tmp_path / "shared"
+    base = tiny_config(shared, train={"batch_size": 8})
+    write_text_corpus(shared / "raw")
+    build_corpus(base, shared / "corpus", log=lambda *_: None)
+    commands = []
+
+    def stop(cmd, what):
+        commands.append(what)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(rp, "run", stop)
+    plan = {"updates": 21}
+    home = shared / "fast-offline"
+    home.mkdir()
+    key = rp.pretraining_key(rp.method_config(base, "fast-offline", shared, 21))
+    finished = {"method": "fast-offline", "key": key, "updates_planned": 21, "generate_s": 3.0, "finished": True}
+    (home / "timing.json").write_text(json.dumps(finished))
+    assert rp.pretrain("fast-offline", base, shared, plan) == finished and commands == []
+
+    data = config_to_dict(base)
+    data["model"]["rel_bias_locality"] = 1.0
+    changed = config_from_dict(data)
+    for _ in range(2):  # the second time the manifest on disk is already the new one
+        with pytest.raises(RuntimeError, match="stopped"):
+            rp.pretrain("fast-offline", changed, shared, plan)
+    assert commands == ["fast-offline: generate"] * 2
+    assert json.loads((home / "timing.json").read_text()) == finished  # untouched until the new one is written
+
+
 @pytest.mark.parametrize("table, message", [
     ({"budget_s": 0.0}, "budget_s"), ({"methods": ["electra", "bert"]}, "methods"),
     ({"methods": ["none", "none"]}, "methods"), ({"checkpoints": 0}, "checkpoints"),

@@ -158,19 +158,40 @@ def run(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed (exit {code}): {' '.join(cmd)}")
 
 
+def manifest_key(config: RunConfig) -> dict:
+    """A method's manifest (model, aux model, curriculum, budget, planned updates) without the
+    fine-tuning settings, which neither its plan nor its pre-training depend on."""
+    key = config_to_dict(config)
+    del key["reproduce"]["finetune"]
+    return json.loads(json.dumps(key))
+
+
+def pretraining_key(config: RunConfig) -> str:
+    return hashlib.sha256(json.dumps(manifest_key(config), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def earlier_timing(timing_path: Path, key: str) -> dict:
+    """timing.json of an earlier pre-training with this very key, else {}: when the model, the aux model,
+    the curriculum or the plan changed, neither its shards nor its training are reused, even if the
+    update count came out the same."""
+    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
+    return timing if timing.get("key") == key else {}
+
+
 def pretrain(method: str, base: RunConfig, out: Path, plan: dict) -> dict:
     """Generate (offline methods) and train under the deadline; returns timing.json's record."""
     home = out / method
     timing_path = home / "timing.json"
-    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
-    if timing.get("finished") and timing.get("updates_planned") == plan["updates"]:
-        return timing
     config = method_config(base, method, out, plan["updates"])
+    key = pretraining_key(config)
+    earlier = earlier_timing(timing_path, key)
+    if earlier.get("finished"):
+        return earlier
     run_dir = home / "run"
     home.mkdir(parents=True, exist_ok=True)
     manifest = atomic_write_text(home / "manifest.toml", dump_toml(config))
-    timing = {"method": method, "updates_planned": plan["updates"], "plan": plan, "budget_s": base.reproduce.budget_s,
-              "generate_s": timing.get("generate_s") if timing.get("updates_planned") == plan["updates"] else None}
+    timing = {"method": method, "key": key, "updates_planned": plan["updates"], "plan": plan,
+              "budget_s": base.reproduce.budget_s, "generate_s": earlier.get("generate_s")}
     start = time.time()
     if method in OFFLINE:
         data = home / "epochs"
@@ -276,11 +297,8 @@ def reproduce(manifest: Path, out: Path, tasks_dir: Path, budget_s: float | None
 
 
 def plans_key(base: RunConfig, method: str) -> dict:
-    """What a method's plan depends on: its manifest (budget and start-up allowances included), not
-    the fine-tuning settings."""
-    key = config_to_dict(method_config(base, method, Path(base.work_dir)))
-    del key["reproduce"]["finetune"]
-    return key
+    """What a method's plan depends on: its manifest (budget and start-up allowances included)."""
+    return manifest_key(method_config(base, method, Path(base.work_dir)))
 
 
 def load_plans(out: Path, base: RunConfig, methods: list[str]) -> dict:
