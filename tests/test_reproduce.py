@@ -118,7 +118,7 @@ def test_pretraining_is_reused_only_for_the_very_manifest_it_ran(tmp_path, monke
     data = config_to_dict(base)
     data["model"]["rel_bias_locality"] = 1.0
     changed = config_from_dict(data)
-    for _ in range(2):  # the second time the manifest on disk is already the new one
+    for _ in range(2):  # the second time after a stop that left the old model's finished record in place
         with pytest.raises(RuntimeError, match="stopped"):
             rp.pretrain("fast-offline", changed, shared, plan)
     assert commands == ["fast-offline: generate"] * 2
