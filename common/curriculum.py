@@ -77,6 +77,15 @@ def choose_masked_positions(input_ids: np.ndarray, mask_prob: float, rng: np.ran
     return np.sort(rng.choice(candidates, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
 
 
+def row_draws(input_ids: np.ndarray, mask_prob: float, seed: int, epoch: int, row_id: int):
+    """A row's random draws, in the order every path makes them (generate/, fast-online, ELECTRA):
+    its masked positions, then one sampling uniform per position. Returns (positions, uniforms,
+    rng); the rng goes on for any later draw of the row (appendix C's token dropping)."""
+    rng = row_rng(seed, epoch, row_id)
+    positions = choose_masked_positions(input_ids, mask_prob, rng)
+    return positions, rng.random(len(positions)), rng
+
+
 def sample_replacements(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """x_hat ~ Softmax(log p_aux / T) (paper section 3, eq. 1), in fp32, never a special token.
 

@@ -21,7 +21,7 @@ from common.batching import attention_mask, length_batches, pad_rows
 from common.checkpoint import load_aux
 from common.config import GenerateConfig
 from common.corpus import term_counts
-from common.curriculum import choose_masked_positions, row_rng, rtd_labels
+from common.curriculum import row_draws, rtd_labels
 from common.distributions import (aux_log_probs, log_interpolation, sample_from_log_weights, sample_temperature,
                                   smoothed_one_hot_log_probs, term_frequency_log_probs, uniform_log_probs)
 from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
@@ -80,10 +80,9 @@ class Corruptor:
         row's aux input also gets that fraction of [UNK]s (appendix C), drawn after its other draws."""
         positions, uniforms, inputs = [], [], []
         for i, (r, rid) in enumerate(zip(rows, row_ids)):
-            rng = row_rng(self.seed, epoch, int(rid))
-            pos = choose_masked_positions(r, self.mask_prob, rng)
+            pos, u, rng = row_draws(r, self.mask_prob, self.seed, epoch, int(rid))
             positions.append(pos)
-            uniforms.append(rng.random(len(pos)))
+            uniforms.append(u)
             m = r.copy()
             m[pos] = MASK_ID
             inputs.append(m if drop_rates is None else drop_tokens(m, float(drop_rates[i]), rng))

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint import AUX_FILE, latest_checkpoint
 from common.config import load_manifest
+from generate.worker import Corruptor
 from tests.conftest import train_with
 from train.electra import ElectraPair, generator_layers, masked_inputs
 from train.online import OnlineStream
@@ -35,6 +36,14 @@ def test_masking_matches_the_generators_rows(built, generated):
     for i, label in enumerate(shards["labels"]):  # every replaced position of the shard is masked here
         assert batch["masked_flags"][i, :len(label)][torch.from_numpy(label)].all()
         assert np.array_equal(batch["original_ids"][i, :len(label)].numpy(), rows["input_ids"][i])
+    # and exactly generate/'s draws: positions and sampling uniforms of its Corruptor, row by row
+    corruptor = Corruptor.from_config(config.aux_dir / AUX_FILE, config.seed, config.generate, built.corpus_dir)
+    assert np.all(np.asarray(rows["epoch"]) == 0)
+    positions, uniforms, _ = corruptor.masked_batches(rows["input_ids"], rows["row_id"], 0)
+    assert sum(len(p) for p in positions) > 0
+    for i, pos in enumerate(positions):
+        assert np.array_equal(torch.nonzero(batch["masked_flags"][i]).flatten().numpy(), pos)
+    assert torch.equal(batch["uniforms"], torch.from_numpy(np.concatenate(uniforms)))
 
 
 @pytest.mark.slow

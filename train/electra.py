@@ -5,8 +5,8 @@ Paper section 2: a generator G (an MLM) and the discriminator D are trained toge
 with masking and sampling done online, no gradient through the sampling, and the token
 embeddings (and their LayerNorm) shared between G and D. The generator here has the main
 model's width and 1/3 of its depth (paper section 4.3, efficiency analysis). Masked
-positions and sampling uniforms come from the same per-row generators as generate/
-(`row_rng(seed, epoch, row)`), at T = 1: ELECTRA samples from its generator as it is.
+positions and sampling uniforms are generate/'s own per-row draws (`common.curriculum.row_draws`),
+at T = 1: ELECTRA samples from its generator as it is.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
-from common.curriculum import choose_masked_positions, row_rng, sample_replacements
+from common.curriculum import row_draws, sample_replacements
 from common.model import MaskedLM, ReplacedTokenDetector
 from common.tokenizer import MASK_ID
 
@@ -62,9 +62,8 @@ def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray
     flags = torch.zeros((len(rows), pad_to), dtype=torch.bool)
     uniforms = []
     for i, (r, rid, e) in enumerate(zip(rows, row_ids, epochs)):
-        rng = row_rng(seed, int(e), int(rid))
-        pos = choose_masked_positions(r, mask_prob, rng)
-        uniforms.append(rng.random(len(pos)))
+        pos, u, _ = row_draws(r, mask_prob, seed, int(e), int(rid))
+        uniforms.append(u)
         original[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
         flags[i, torch.from_numpy(pos)] = True
     return {"original_ids": original, "masked_ids": original.masked_fill(flags, MASK_ID), "masked_flags": flags,
