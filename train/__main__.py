@@ -19,6 +19,7 @@ import resource
 import signal
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -158,6 +159,9 @@ def train(args) -> dict:
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                 tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, tc.warmup_steps, total_steps)
+    # A non-finite update is skipped, yet the schedule moves on with the step (it indexes rows, the lr and the
+    # temperature); torch would warn about the call order if the very first update were the skipped one.
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     torch.manual_seed(tc.seed + 1000 + rank)  # dropout stream of this rank
 
