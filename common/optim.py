@@ -15,6 +15,9 @@ def build_optimizer(model: nn.Module, lr: float, betas, eps: float, weight_decay
     - the relative-position bias (`rel_bias_lr_scale`, no decay): Adam moves each entry by about lr
       per step, and without absolute positions it is the model's only sense of order;
     - the token embeddings (`embed_lr_scale`): a row is only updated when its token is in the batch.
+
+    `fused=True`: one kernel over all tensors, on CPU as on CUDA; its weights are the per-tensor loop's
+    up to float32 rounding (tests/test_optim.py). `make bench-train` times both (README "Benchmarks").
     """
     decay, no_decay, rel_bias, embed = [], [], [], []
     for name, p in model.named_parameters():
@@ -29,7 +32,7 @@ def build_optimizer(model: nn.Module, lr: float, betas, eps: float, weight_decay
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0},
               {"params": rel_bias, "weight_decay": 0.0, "lr": lr * rel_bias_lr_scale},
               {"params": embed, "weight_decay": weight_decay, "lr": lr * embed_lr_scale}]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
 
 
 def warmup_linear_decay(warmup_steps: int, total_steps: int):
