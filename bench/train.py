@@ -4,13 +4,15 @@
 
 Measured in one run, interleaved, on this machine (DESIGN.md: "Trainer on shards vs the
 same model's forward+backward on in-memory tensors (the limit)"):
-  step_ratio       median seconds per update reading the shards exactly as `train/__main__.py`
+  step_vs_inmemory median seconds per update reading the shards exactly as `train/__main__.py`
                    does (reader thread one step ahead, sha256 on first open, Parquet decode,
                    padding) / the same update on one batch held in memory            target <= 1.03
   data_path        seconds the update waits for its rows (reader thread) and padding: the data
                    path's own cost, free of the step-to-step noise of the ratio above
-  loader_ratio     tokens/s of the shard reader alone (fresh stream, whole epoch)
+  loader_vs_consumption  tokens/s of the shard reader alone (fresh stream, whole epoch)
                    / tokens/s the trainer consumes                                   target >= 20
+  optimizer_step_ratio  the trainer's fused AdamW step / torch's per-tensor loop over the
+                   same parameter groups (the step before `fused=True`)
 Both modes use the same model, optimizer and batch size; blocks of steps alternate so
 drift in machine speed hits both. Writes bench/results/train.json and train.md.
 """
@@ -104,20 +106,48 @@ def measure(config, data_dir: Path, steps: int, block: int) -> dict:
         loader_tokens += int(to_tensors(loader.rows(start, start + b))["attention_mask"].sum())
     loader_s = time.perf_counter() - t0
 
+    fused, loop = optimizer_step_seconds(model, optimizer, steps, block, device)
     shard_step, memory_step = statistics.median(times["shards"]), statistics.median(times["memory"])
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "steps_per_mode": len(times["shards"]), "block": block, "batch_rows": b, "tokens_per_step": tokens_per_step,
         "step_s_shards_median": shard_step, "step_s_memory_median": memory_step,
         "step_s_shards_mean": statistics.fmean(times["shards"]), "step_s_memory_mean": statistics.fmean(times["memory"]),
-        "step_ratio": shard_step / memory_step,
+        "step_vs_inmemory": shard_step / memory_step,
         "data_path_s_mean": statistics.fmean(times["data_path"]), "data_path_s_max": max(times["data_path"]),
         "data_path_fraction": statistics.fmean(times["data_path"]) / statistics.fmean(times["shards"]),
         "trainer_tokens_per_s": tokens_per_step / shard_step,
         "loader_tokens_per_s": loader_tokens / loader_s, "loader_epoch_rows": rows_epoch, "loader_s": loader_s,
-        "loader_ratio": (loader_tokens / loader_s) / (tokens_per_step / shard_step),
+        "loader_vs_consumption": (loader_tokens / loader_s) / (tokens_per_step / shard_step),
         "torch_threads": torch.get_num_threads(),
+        "optimizer_step_s_fused_median": fused, "optimizer_step_s_loop_median": loop,
+        "optimizer_step_ratio": fused / loop, "optimizer_step_fraction": fused / shard_step,
+        "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def optimizer_step_seconds(model, optimizer, steps: int, block: int, device) -> tuple[float, float]:
+    """Median seconds of one AdamW step: the trainer's (`build_optimizer`, fused) and the same groups
+    with torch's per-tensor loop (fused=False, foreach=False), in alternating blocks on gradients of the
+    model's own shapes. Each keeps its own moments; both move the same weights, which timing ignores."""
+    loop = torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("fused", "foreach")}
+                              for g in optimizer.param_groups], fused=False, foreach=False)
+    generator = torch.Generator(device=device).manual_seed(0)
+    times = {"fused": [], "loop": []}
+    for p in model.parameters():
+        p.grad = 1e-3 * torch.randn(p.shape, device=device, generator=generator)
+    for opt in (optimizer, loop):  # warm-up: moment buffers allocated
+        opt.step()
+    while len(times["fused"]) < steps:
+        for name, opt in (("fused", optimizer), ("loop", loop)):
+            for _ in range(block):
+                t0 = time.perf_counter()
+                opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[name].append(time.perf_counter() - t0)
+    optimizer.zero_grad(set_to_none=True)
+    return statistics.median(times["fused"]), statistics.median(times["loop"])
 
 
 def main(argv=None) -> int:
@@ -142,13 +172,17 @@ def main(argv=None) -> int:
           f"{result['batch_rows']} rows x {result['tokens_per_step']} tokens per update, "
           f"{result['steps_per_mode']} updates per mode in blocks of {result['block']}.", "",
           "| figure | value | target |", "|---|---|---|",
-          f"| update on shards / on an in-memory batch (median s) | {result['step_ratio']:.3f} "
+          f"| update on shards / on an in-memory batch (median s) | {result['step_vs_inmemory']:.3f} "
           f"({result['step_s_shards_median']:.4f} / {result['step_s_memory_median']:.4f}) | <= 1.03 |",
           f"| data path on the update's critical path (wait for rows + padding), mean / max | "
           f"{result['data_path_s_mean'] * 1e3:.2f} / {result['data_path_s_max'] * 1e3:.2f} ms "
           f"({100 * result['data_path_fraction']:.2f}% of an update) | (the cause of any excess over 1) |",
-          f"| shard reader tokens/s / trainer tokens/s | {result['loader_ratio']:.0f} "
-          f"({result['loader_tokens_per_s']:.0f} / {result['trainer_tokens_per_s']:.0f}) | >= 20 |"]
+          f"| shard reader tokens/s / trainer tokens/s | {result['loader_vs_consumption']:.0f} "
+          f"({result['loader_tokens_per_s']:.0f} / {result['trainer_tokens_per_s']:.0f}) | >= 20 |",
+          f"| AdamW step over the {result['parameters'] / 1e6:.1f}M parameters: fused (the trainer's) / "
+          f"per-tensor loop (median s) | {result['optimizer_step_ratio']:.3f} "
+          f"({result['optimizer_step_s_fused_median']:.4f} / {result['optimizer_step_s_loop_median']:.4f}; "
+          f"{100 * result['optimizer_step_fraction']:.1f}% of an update) | |"]
     atomic_write_text(out / f"{stem}.md", "\n".join(md) + "\n")
     print("\n".join(md))
     return 0

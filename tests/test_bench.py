@@ -1,0 +1,36 @@
+"""Benchmark results carry DESIGN.md's key names (the contract other tools read)."""
+import json
+
+import pytest
+
+from bench import train as bench_train
+from bench.efficiency import design_ratios
+
+DESIGN_KEYS = {"train": ["step_vs_inmemory", "loader_vs_consumption"],
+               "efficiency": ["offline_vs_electra_time", "offline_vs_electra_memory", "online_vs_electra_time",
+                              "analytic_offline_vs_electra"]}
+
+
+def test_efficiency_ratios_use_the_design_names():
+    seconds = {"electra": 2.0, "fast-online": 1.5, "fast-offline": 1.0}
+    memory = {"electra": 1000.0, "fast-online": 800.0, "fast-offline": 700.0}
+    analytic = {"paper_convention": {"offline_vs_electra": 0.56, "online_vs_electra": 0.7},
+                "as_executed": {"offline_vs_electra": 0.61, "online_vs_electra": 0.74}}
+    ratios = design_ratios(seconds, memory, analytic)
+    assert set(DESIGN_KEYS["efficiency"]) <= set(ratios)
+    assert ratios["offline_vs_electra_time"] == 0.5 and ratios["online_vs_electra_time"] == 0.75
+    assert ratios["offline_vs_electra_memory"] == 0.7 and ratios["online_vs_electra_memory"] == 0.8
+    assert ratios["analytic_offline_vs_electra"] == 0.56 and ratios["analytic_offline_vs_electra_as_executed"] == 0.61
+
+
+@pytest.mark.slow
+def test_bench_train_writes_the_design_keys(generated, tmp_path, capsys):
+    """A real (short) bench-train over generated shards: its JSON has the contract's ratios."""
+    manifest, data, _ = generated
+    assert bench_train.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2", "--block", "1",
+                             "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "train.json").read_text())
+    for key in DESIGN_KEYS["train"]:
+        assert result[key] > 0, key
+    assert 0 < result["optimizer_step_ratio"] and result["optimizer_step_s_fused_median"] > 0
+    assert "| update on shards / on an in-memory batch" in (tmp_path / "train.md").read_text()
