@@ -12,8 +12,8 @@ SWEEP    ?=
 TASK     ?= rotten_tomatoes
 FT_ARGS  ?=
 PYTEST_ARGS ?=
-# bench-efficiency's vocabulary: 0 = the data's, paper = round(128000 * hidden / 768), or a number
-BENCH_VOCAB ?= 0
+# bench-efficiency's vocabulary: paper = round(128000 * hidden / 768), the paper's V / d (default), 0 = the data's, or a number
+BENCH_VOCAB ?= paper
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
