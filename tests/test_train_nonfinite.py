@@ -2,7 +2,8 @@
 is counted; K in a row stop the run with the step, the rows and the last good checkpoint named").
 
 The real trainer runs in-process on real shards; the only change is a detector whose
-training-time output is NaN at chosen steps, the way an overflow would surface."""
+training-time output is NaN at chosen steps, the way an overflow would surface. The same harness
+checks how often the trainer redraws its curves."""
 import argparse
 import copy
 import json
@@ -84,3 +85,26 @@ def test_k_nonfinite_losses_in_a_row_stop_the_run_naming_step_rows_and_checkpoin
     assert "3 non-finite losses in a row, last at step 6" in message
     assert "stream rows 48..55" in message  # batch 8: step 6 reads rows 48..55
     assert message.endswith("step-00000004.pt")  # the last good checkpoint, written after step 4
+
+
+
+def test_curves_are_redrawn_at_most_once_a_minute_and_at_the_end(generated, tmp_path, monkeypatch):
+    """A redraw costs ~1 s of rank 0's time; evaluations every 2 steps must not each pay it."""
+    args, _ = _run(generated, tmp_path, monkeypatch, lambda s: False, max_steps=12, eval_every=2, ckpt_every=12)
+    real, drawn = trainer.plot_curves, []
+
+    def counting(run_dir):
+        records = (run_dir / "metrics.jsonl").read_text().splitlines()
+        drawn.append(json.loads(records[-1])["step"])  # the step whose record was written last
+        real(run_dir)
+    monkeypatch.setattr(trainer, "plot_curves", counting)
+    trainer.train(args)
+    assert [r["step"] for r in _records(tmp_path) if "val_loss" in r] == [2, 4, 6, 8, 10, 12]
+    assert drawn == [2, 12]  # the first evaluation, then the end of the run (well within a minute)
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    drawn.clear()  # the interval is what holds the redraws back
+    monkeypatch.setattr(trainer, "PLOT_INTERVAL_S", 0.0)
+    args.out = str(tmp_path / "every")
+    trainer.train(args)
+    assert drawn == [2, 4, 6, 8, 10, 12, 12]

@@ -43,6 +43,9 @@ from train.plots import plot_curves
 
 # Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception).
 KILL_AT_STEP_ENV = "FAST_ELECTRA_TEST_KILL_AT_STEP"
+# curves.png is redrawn after an evaluation at most this often (a redraw takes ~1 s of rank 0's time), and
+# always at the end of the run
+PLOT_INTERVAL_S = 60.0
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -217,6 +220,7 @@ def train(args) -> dict:
     to_batch = partial(electra_tensors, seed=config.seed, mask_prob=config.generate.mask_prob) if electra else to_tensors
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps = time.time(), 0, [math.inf, -math.inf]
+    last_plot = -math.inf
     deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
     while step < total_steps and not deadline_hit:
         rows = next_rows.result()
@@ -290,8 +294,9 @@ def train(args) -> dict:
         if is_main and record:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            if "val_loss" in record:
+            if "val_loss" in record and time.time() - last_plot >= PLOT_INTERVAL_S:
                 plot_curves(run_dir)
+                last_plot = time.time()
         if step % tc.ckpt_every == 0 or final:
             # every rank's dropout stream: CPU generator and, on GPU, the CUDA one
             own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
