@@ -79,13 +79,15 @@ def test_skipped_steps_leave_the_weights_untouched(generated, tmp_path, monkeypa
 
 def test_k_nonfinite_losses_in_a_row_stop_the_run_naming_step_rows_and_checkpoint(generated, tmp_path, monkeypatch):
     args, _ = _run(generated, tmp_path, monkeypatch, lambda s: s >= 4, max_nonfinite_steps=3)
+    real, drawn = trainer.plot_curves, []
+    monkeypatch.setattr(trainer, "plot_curves", lambda run_dir: (drawn.append(len(_records(tmp_path))), real(run_dir)))
     with pytest.raises(FloatingPointError) as error:
         trainer.train(args)
     message = str(error.value)
     assert "3 non-finite losses in a row, last at step 6" in message
     assert "stream rows 48..55" in message  # batch 8: step 6 reads rows 48..55
     assert message.endswith("step-00000004.pt")  # the last good checkpoint, written after step 4
-
+    assert drawn == [4, 6]  # curves drawn at the evaluation after step 4, and at the stop with all 6 logged steps
 
 
 def test_curves_are_redrawn_at_most_once_a_minute_and_at_the_end(generated, tmp_path, monkeypatch):

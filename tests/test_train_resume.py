@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from tests.conftest import ROOT
@@ -83,6 +84,26 @@ def test_killed_at_the_epoch_boundary_resumes_exactly(boundary_setup, tmp_path, 
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints'}/step-{boundary_step:08d}.pt at step {boundary_step}" in result.stdout
+    assert _losses(run) == _losses(full)
+
+
+def test_a_checkpoint_from_before_the_fused_step_resumes_fused_and_exactly(boundary_setup, tmp_path, env_with_repo):
+    """Checkpoints written before the optimizer was fused hold `fused: None` in their groups, and torch's
+    load_state_dict would bring that back: the resumed run must still take the fused step."""
+    manifest, data, full, boundary_step, _, _ = boundary_setup
+    run = tmp_path / "run"
+    killed = subprocess.run(_train_cmd(manifest, data, run), cwd=ROOT,
+                            env={**env_with_repo, KILL_AT_STEP_ENV: str(boundary_step + 1)}, capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    path = run / "checkpoints" / f"step-{boundary_step:08d}.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    assert all(group["fused"] for group in state["optimizer"]["param_groups"])
+    for group in state["optimizer"]["param_groups"]:  # as an AdamW built without fused=True saved them
+        group["fused"], group["foreach"] = None, None
+    torch.save(state, path)
+    result = subprocess.run(_train_cmd(manifest, data, run, resume=True), cwd=ROOT, env=env_with_repo,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert _losses(run) == _losses(full)
 
 

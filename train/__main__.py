@@ -178,6 +178,8 @@ def train(args) -> dict:
         if config_to_dict(config_from_dict(state["config"])) != config_to_dict(config):  # defaults of newer keys filled in
             raise IncompatibleInputs(f"checkpoint {path} was made with another config; use a new --out")
         model.load_state_dict(state["model"])
+        for group in state["optimizer"]["param_groups"]:  # a checkpoint from before the fused step resumes fused
+            group["fused"], group["foreach"] = True, None
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, history = state["step"], state["history"]
@@ -259,6 +261,8 @@ def train(args) -> dict:
                 bar.close()
                 reader.shutdown(cancel_futures=True)
                 last = latest_checkpoint(ckpt_dir)
+                if is_main:
+                    plot_curves(run_dir)  # what was logged, for the run someone will want to look at
                 raise FloatingPointError(f"{nonfinite_run} non-finite losses in a row, last at step {step} "
                                          f"(stream rows {step * tc.batch_size}..{(step + 1) * tc.batch_size - 1}); "
                                          f"last good checkpoint: {last[0] if last else 'none'}")
