@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from common.config import load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector
-from common.optim import build_optimizer, build_scheduler
+from common.optim import build_optimizer, build_scheduler, per_tensor_loop
 from train.data import load_data_manifest, replaced_rate, to_tensors, training_stream
 
 RESULTS = Path("bench/results")
@@ -130,8 +130,7 @@ def optimizer_step_seconds(model, optimizer, steps: int, block: int, device) -> 
     """Median seconds of one AdamW step: the trainer's (`build_optimizer`, fused) and the same groups
     with torch's per-tensor loop (fused=False, foreach=False), in alternating blocks on gradients of the
     model's own shapes. Each keeps its own moments; both move the same weights, which timing ignores."""
-    loop = torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("fused", "foreach")}
-                              for g in optimizer.param_groups], fused=False, foreach=False)
+    loop = per_tensor_loop(optimizer)
     generator = torch.Generator(device=device).manual_seed(0)
     times = {"fused": [], "loop": []}
     for p in model.parameters():

@@ -35,6 +35,13 @@ def build_optimizer(model: nn.Module, lr: float, betas, eps: float, weight_decay
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
 
 
+def per_tensor_loop(optimizer: torch.optim.AdamW) -> torch.optim.AdamW:
+    """torch's per-tensor AdamW (fused=False, foreach=False) over `optimizer`'s parameter groups and
+    settings: the step `build_optimizer` took before `fused=True`, kept to compare against."""
+    return torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("fused", "foreach")}
+                              for g in optimizer.param_groups], fused=False, foreach=False)
+
+
 def warmup_linear_decay(warmup_steps: int, total_steps: int):
     """LR multiplier at update `step` (0-based): (step+1)/warmup, then linear to 0 at total."""
     def factor(step: int) -> float:

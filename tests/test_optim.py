@@ -5,7 +5,7 @@ import torch
 
 from common.config import load_manifest
 from common.model import ReplacedTokenDetector
-from common.optim import build_optimizer
+from common.optim import build_optimizer, per_tensor_loop
 
 
 TINY = Path(__file__).resolve().parents[1] / "manifests" / "tiny.toml"
@@ -39,9 +39,7 @@ def test_fused_steps_are_those_of_the_per_tensor_loop():
     loop_model.load_state_dict(fused_model.state_dict())
     start = {n: p.detach().clone() for n, p in fused_model.named_parameters()}
     fused = build_optimizer(fused_model, 1e-3, (0.9, 0.98), 1e-6, 0.1, 4.0, 30.0)
-    built = build_optimizer(loop_model, 1e-3, (0.9, 0.98), 1e-6, 0.1, 4.0, 30.0)
-    loop = torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in built.param_groups],
-                             fused=False, foreach=False)
+    loop = per_tensor_loop(build_optimizer(loop_model, 1e-3, (0.9, 0.98), 1e-6, 0.1, 4.0, 30.0))
     generator = torch.Generator().manual_seed(1)
     for _ in range(20):
         for a, b in zip(fused_model.parameters(), loop_model.parameters()):
