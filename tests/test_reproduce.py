@@ -214,3 +214,17 @@ def test_reproduce_end_to_end_under_the_budget_and_rerun_redoes_nothing(tmp_path
     assert third["timings"] == timings and len(third["points"]) == len(points)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")} == before
     assert len(list((out / "none" / "finetune").iterdir())) == 2
+
+
+def test_readme_reports_the_table_in_bench_results():
+    """The README's `make reproduce` table is the one the last run wrote (bench/results/reproduce.md):
+    a rerun whose table was not copied into the README fails here."""
+    table = [line for line in (ROOT / "bench" / "results" / "reproduce.md").read_text().splitlines()
+             if line.startswith("| ")]
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(table) >= 3  # header and at least one method besides the floor
+    missing = [line for line in table if line not in readme]
+    assert not missing, f"README lacks these rows of bench/results/reproduce.md: {missing}"
+    date = json.loads((ROOT / "bench" / "results" / "reproduce.json").read_text())["date"]
+    start = next(i for i, line in enumerate(readme) if line.startswith("What it printed on this machine"))
+    assert date in " ".join(readme[start:start + 3]), f"the README's run is not dated {date}, the table's date"
