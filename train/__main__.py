@@ -178,8 +178,9 @@ def train(args) -> dict:
         if config_to_dict(config_from_dict(state["config"])) != config_to_dict(config):  # defaults of newer keys filled in
             raise IncompatibleInputs(f"checkpoint {path} was made with another config; use a new --out")
         model.load_state_dict(state["model"])
-        for group in state["optimizer"]["param_groups"]:  # a checkpoint from before the fused step resumes fused
-            group["fused"], group["foreach"] = True, None
+        # the step's kernel is build_optimizer's, not the checkpoint's: one saved before the fused step resumes fused
+        for saved, built in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
+            saved["fused"], saved["foreach"] = built["fused"], built["foreach"]
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, history = state["step"], state["history"]
