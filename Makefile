@@ -43,10 +43,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 corpus: setup
-	$(PY) -m common.corpus --manifest $(MANIFEST) $(if $(CORPUS),--source $(CORPUS))
+	$(PY) -m corpus --manifest $(MANIFEST) $(if $(CORPUS),--source $(CORPUS))
 
 aux: corpus
-	$(PY) -m train.aux --manifest $(MANIFEST)
+	$(PY) -m auxiliary --manifest $(MANIFEST)
 
 generate-epochs: aux
 	$(PY) -m generate --manifest $(MANIFEST) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS))
@@ -57,7 +57,7 @@ train: generate-epochs
 
 # Only reads the shards: if $(DATA_DIR)/manifest.json exists the generator is not run at all.
 sweep: setup $(DATA_DIR)/manifest.json
-	$(PY) -m train.sweep --manifest $(MANIFEST) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC)
+	$(PY) -m experiments.sweep --manifest $(MANIFEST) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC)
 
 $(DATA_DIR)/manifest.json:
 	$(MAKE) generate-epochs MANIFEST=$(MANIFEST) DATA=$(DATA_DIR)
@@ -70,22 +70,22 @@ ABLATIONS ?= $(wildcard manifests/ablations/*.toml)
 ablations: setup
 	@for m in $(ABLATIONS); do $(MAKE) train MANIFEST=$$m || exit 1; done
 
-# Fine-tuning (train/finetune.py): the newest checkpoint of RUN on TASK; -floor: random init, same shape.
+# Fine-tuning (finetune/): the newest checkpoint of RUN on TASK; -floor: random init, same shape.
 task: setup
-	$(PY) -m train.rotten_tomatoes --out work/tasks/rotten_tomatoes
+	$(PY) -m finetune.rotten_tomatoes --out work/tasks/rotten_tomatoes
 
 finetune: train
-	$(PY) -m train.finetune --checkpoint $(RUN_DIR) --task $(TASK) $(FT_ARGS)
+	$(PY) -m finetune --checkpoint $(RUN_DIR) --task $(TASK) $(FT_ARGS)
 
 finetune-floor: setup
-	$(PY) -m train.finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS)
+	$(PY) -m finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS)
 
 # The paper's claim at small scale: ELECTRA, Fast-ELECTRA, fixed aux, term frequency and no pre-training
 # under one wall-clock budget per method (BUDGET seconds; default in manifests/reproduce.toml), each
 # checkpoint fine-tuned on Rotten Tomatoes; table + figure in work/reproduce/reproduce.{md,png}.
 BUDGET ?=
 reproduce: setup
-	$(PY) -m train.reproduce --manifest manifests/reproduce.toml $(if $(BUDGET),--budget $(BUDGET))
+	$(PY) -m experiments.reproduce --manifest manifests/reproduce.toml $(if $(BUDGET),--budget $(BUDGET))
 
 # All benchmarks (ratios measured in one run each; results in bench/results/).
 bench: bench-generate bench-train bench-efficiency bench-flops

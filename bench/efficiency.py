@@ -56,9 +56,9 @@ from common.corpus import load_corpus_meta
 from common.model import MaskedLM, ReplacedTokenDetector
 from common.optim import build_optimizer, build_scheduler
 from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
-from train.__main__ import electra_tensors, forward_losses, objective
+from train.objectives import electra_tensors, forward_losses, objective
 from train.data import load_data_manifest, to_tensors, training_stream
-from train.electra import ElectraPair, generator_layers
+from train.objectives import ElectraPair, generator_layers
 from train.online import OnlineStream
 
 RESULTS = Path("bench/results")
@@ -96,7 +96,7 @@ def resolve_vocab(option: str | int, config) -> int:
 
 
 def save_random_aux(config, vocab: int, out_dir: Path) -> Path:
-    """An aux.pt of the real aux's architecture (train/aux.py) with `vocab` tokens, seeded random weights."""
+    """An aux.pt of the real aux's architecture (auxiliary/mlm.py) with `vocab` tokens, seeded random weights."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = MaskedLM(config.model, vocab, config.aux.num_layers)
@@ -130,7 +130,7 @@ class Mode:
         if name == "fast-offline":
             self.stream = training_stream(data_dir, manifest)
         else:
-            from generate.worker import Corruptor
+            from common.corrupt import Corruptor
             corruptor = Corruptor(aux_path or config.aux_dir / AUX_FILE, config.seed, g.mask_prob, g.batch_tokens,
                                   device=device.type) if name == "fast-online" else None
             assert corruptor is None or vocab is None or corruptor.vocab_size == vocab, (corruptor.vocab_size, vocab)
@@ -153,7 +153,7 @@ class Mode:
         self.position += b
         batch = self.to_batch(rows)
         electra = self.name == "electra"
-        with self.autocast:  # the trainer's own loss (train/__main__.py)
+        with self.autocast:  # the trainer's own loss (train/objectives.py)
             rtd, mlm, _ = forward_losses(self.model, batch, self.device, electra)
             loss = objective(rtd, mlm, float(batch["attention_mask"].sum()),
                              float(batch["masked_flags"].sum()) if electra else 0.0, self.config.train.electra_lambda)
@@ -168,7 +168,7 @@ class Mode:
 
 def generation_seconds_per_update(config, data_dir: Path, device: torch.device, repeats: int, aux_path: Path) -> float:
     """What generate/ spends per update's worth of rows: Corruptor (mask, aux, sample, label) + Parquet write."""
-    from generate.worker import Corruptor
+    from common.corrupt import Corruptor
     g = config.generate
     corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device.type)
     stream = OnlineStream(config, config.corpus_dir, None)
@@ -209,7 +209,7 @@ def analytic_ratios(config, vocab: int | None = None) -> dict:
 
 
 def design_ratios(seconds: dict, memory: dict, analytic: dict) -> dict:
-    """The results' ratios under DESIGN.md's key names (ours / ELECTRA); the analytic reference is
+    """The results' ratios under docs/design.md's key names (ours / ELECTRA); the analytic reference is
     the paper's own FLOPs convention, the as-executed count beside it."""
     return {"offline_vs_electra_time": seconds["fast-offline"] / seconds["electra"],
             "online_vs_electra_time": seconds["fast-online"] / seconds["electra"],

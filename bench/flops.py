@@ -190,7 +190,7 @@ def compute_all(presets: dict[str, Path] = PRESETS) -> dict:
 
 
 def flat_json(results: dict) -> dict:
-    """DESIGN.md: one key per cell, e.g. base_original_aux_gflops; full_ prefix for full accounting."""
+    """docs/design.md: one key per cell, e.g. base_original_aux_gflops; full_ prefix for full accounting."""
     flat = {}
     for variant, prefix in (("paper", ""), ("full", "full_")):
         for preset, rows in results[variant].items():

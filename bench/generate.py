@@ -2,7 +2,7 @@
 
     python -m bench.generate --manifest manifests/tiny.toml
 
-Measured in one run, on this machine, as ratios (DESIGN.md, "Performance is measured as ratios"):
+Measured in one run, on this machine, as ratios (docs/design.md, "Performance is measured as ratios"):
   gen_vs_forward          generation tokens/s (mask, aux forward, sample, label, write Parquet)
                           / the same aux model's pure forward tokens/s on the same batches, same device
   speedup_2_workers       Ray generation tokens/s with 2 actors / with 1 actor
@@ -32,8 +32,9 @@ from common.checkpoint import AUX_FILE
 from common.config import load_manifest
 from common.corpus import SplitRows, load_corpus_meta, load_split
 from common.io import atomic_write_json, atomic_write_text
-from generate.plan import plan_tasks
-from generate.worker import Corruptor, ShardWriter
+from common.plan import plan_tasks
+from common.corrupt import Corruptor
+from generate.worker import ShardWriter
 
 RESULTS = Path("bench/results")
 

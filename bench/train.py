@@ -2,9 +2,9 @@
 
     python -m bench.train --manifest manifests/tiny.toml [--data DIR] [--steps 24]
 
-Measured in one run, interleaved, on this machine (DESIGN.md: "Trainer on shards vs the
+Measured in one run, interleaved, on this machine (docs/design.md: "Trainer on shards vs the
 same model's forward+backward on in-memory tensors (the limit)"):
-  step_vs_inmemory median seconds per update reading the shards exactly as `train/__main__.py`
+  step_vs_inmemory median seconds per update reading the shards exactly as `train/trainer.py`
                    does (reader thread one step ahead, sha256 on first open, Parquet decode,
                    padding) / the same update on one batch held in memory            target <= 1.03
   data_path        seconds the update waits for its rows (reader thread) and padding: the data

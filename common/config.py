@@ -2,12 +2,16 @@
 
 A manifest (``manifests/tiny.toml``) has top-level keys for the run and one table
 per stage: ``[corpus] [tokenizer] [model] [aux] [generate] [train]``, plus
-``[sweep.train]`` for `make sweep`. ``extends = "other.toml"`` starts from another manifest. Every key
-maps to a dataclass field; an unknown key is an error, never ignored. The fully
-resolved config is written beside every output (``resolved_manifest.toml``).
+``[sweep.train]`` for `make sweep` and ``[reproduce]`` for `make reproduce`. The one loader here
+serves every config of the project (fine-tuning's too, `finetune/config.py`):
+``extends = "other.toml"`` starts from another file, ``--set KEY=VALUE`` overrides one key on
+the command line, every key maps to a dataclass field and an unknown key is an error, never
+ignored. The fully resolved config is written beside every output (``resolved_manifest.toml``).
 """
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -269,7 +273,7 @@ REPRODUCE_METHODS = ("electra", "fast-offline", "fixed-aux", "term-frequency", "
 
 @dataclass
 class ReproduceConfig:
-    """`make reproduce`: one wall-clock pre-training budget per method, then fine-tuning (train/reproduce.py)."""
+    """`make reproduce`: one wall-clock pre-training budget per method, then fine-tuning (experiments/reproduce.py)."""
     budget_s: float = 600.0
     """Wall-clock seconds per method, generation included (start of generation to last checkpoint)."""
     methods: list[str] = field(default_factory=lambda: list(REPRODUCE_METHODS))
@@ -283,7 +287,7 @@ class ReproduceConfig:
     generation_startup_s: float = 15.0
     """Budget set aside for the generation job's start (Ray, actors; ~13 s measured on 2 CPU cores)."""
     finetune: dict = field(default_factory=dict)
-    """[finetune] keys for every fine-tuning run (train/finetune_config.py), e.g. max_steps, seeds, grid.lr."""
+    """[finetune] keys for every fine-tuning run (finetune/config.py), e.g. max_steps, seeds, grid.lr."""
 
     def __post_init__(self):
         if not self.budget_s > 0:
@@ -337,7 +341,7 @@ class RunConfig:
         return Path(self.work_dir) / "runs" / "default"
 
 
-def _build(cls, data: dict, where: str):
+def build_config(cls, data: dict, where: str = ""):
     """Build dataclass `cls` from `data`, refusing unknown keys and wrong types."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'manifest'} must be a table, got {type(data).__name__}")
@@ -351,7 +355,7 @@ def _build(cls, data: dict, where: str):
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{where}{name}.")
+            kwargs[name] = build_config(hint, value, f"{where}{name}.")
             continue
         kwargs[name] = _coerce(value, hint, where + name)
     return cls(**kwargs)
@@ -376,12 +380,24 @@ def _coerce(value, hint, key):
 
 
 def config_from_dict(data: dict) -> RunConfig:
-    return _build(RunConfig, data, "")
+    return build_config(RunConfig, data, "")
 
 
-def _read_toml(path: Path, chain: tuple = ()) -> dict:
-    """A manifest's tables; `extends = "other.toml"` (relative to this file) starts from another
-    manifest and overrides it key by key, table by table."""
+def merge_tables(base: dict, override: dict) -> dict:
+    """`override` on top of `base`, key by key, into nested tables."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_tables(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_toml(path: str | Path, chain: tuple = ()) -> dict:
+    """A config file's tables; `extends = "other.toml"` (relative to this file) starts from another
+    file and overrides it key by key, table by table."""
+    path = Path(path)
     if not path.is_file():
         raise ConfigError(f"manifest {path} does not exist" + (f" (extended by {chain[-1]})" if chain else ""))
     if path.resolve() in chain:
@@ -396,24 +412,49 @@ def _read_toml(path: Path, chain: tuple = ()) -> dict:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: extends must be a path, got {base!r}")
-    merged = _read_toml(path.parent / base, chain + (path.resolve(),))
-    for key, value in data.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return merged
+    return merge_tables(read_toml(path.parent / base, chain + (path.resolve(),)), data)
 
 
-def load_manifest(path: str | Path) -> RunConfig:
-    return config_from_dict(_read_toml(Path(path)))
+def parse_set(assignment: str) -> tuple[list[str], object]:
+    """'train.lr=2e-3' -> (['train', 'lr'], 0.002); a value that is not TOML is a string."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects KEY=VALUE, got {assignment!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_sets(data: dict, sets=()) -> dict:
+    """A copy of `data` with each `--set KEY=VALUE` applied (dotted keys reach into tables)."""
+    data = copy.deepcopy(data)
+    for assignment in sets:
+        keys, value = parse_set(assignment)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {assignment!r}: {k} is not a table")
+        node[keys[-1]] = value
+    return data
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                        help="override one manifest key, e.g. --set train.lr=2e-3 (repeatable)")
+
+
+def load_manifest(path: str | Path, sets=()) -> RunConfig:
+    return config_from_dict(apply_sets(read_toml(path), sets))
 
 
 def config_to_dict(config: RunConfig) -> dict:
     return dataclasses.asdict(config)
 
 
-def _toml_value(value) -> str:
+def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -423,23 +464,48 @@ def _toml_value(value) -> str:
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
 def dump_toml(config: RunConfig) -> str:
     """The resolved config as TOML that `load_manifest` reads back to an equal config."""
     data = config_to_dict(config)
-    top = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    top = [f"{k} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
     tables = []
     for k, v in data.items():
         if isinstance(v, dict):
-            tables.append(f"\n[{k}]\n" + "\n".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()))
+            tables.append(f"\n[{k}]\n" + "\n".join(f"{kk} = {toml_value(vv)}" for kk, vv in v.items()))
     return "\n".join(top) + "\n" + "\n".join(tables) + "\n"
 
 
 def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
     from common.io import atomic_write_text
     return atomic_write_text(Path(out_dir) / "resolved_manifest.toml", dump_toml(config))
+
+
+# Settings that do not change what a training run computes: where outputs go, how often it logs,
+# evaluates and checkpoints, and the tables of other commands (`make sweep`, `make reproduce`).
+# Resume compares everything else.
+NOT_TRAJECTORY = ("name", "work_dir", "shared_dir", "sweep", "reproduce")
+NOT_TRAJECTORY_TRAIN = ("eval_every", "log_every", "ckpt_every", "keep_checkpoints", "max_nonfinite_steps")
+
+
+def trajectory_config(data: dict) -> dict:
+    """The part of a config dict (`config_to_dict`) that decides a run's updates, for resume."""
+    kept = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
+    kept["train"] = {k: v for k, v in kept["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
+    return kept
+
+
+def changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the keys whose values differ between two config dicts."""
+    keys = []
+    for k in sorted(set(a) | set(b)):
+        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+            keys += changed_keys(a[k], b[k], f"{prefix}{k}.")
+        elif a.get(k) != b.get(k):
+            keys.append(prefix + k)
+    return keys

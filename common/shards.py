@@ -2,11 +2,8 @@
 
 Columns use native Arrow list types; every file is written atomically.
 
-Shard bytes per token (tiny corpus, 8K vocabulary, measured with /tmp-style variants of
-`bench/generate.py`): list<int32> ids + list<int8> labels, zstd 3: 2.00; ids in
-frequency order (common/tokenizer.py) + BYTE_STREAM_SPLIT: 1.69; labels as list<bool>
-(bit-packed by Parquet): 1.56; zstd level 19: 1.48. Level 19 costs ~40 ms per 512-row
-shard on one CPU core, small next to the aux forward that made the rows.
+The shard encoding (ids in frequency order, BYTE_STREAM_SPLIT, labels bit-packed as list<bool>,
+zstd 19) was chosen by measuring bytes per token (docs/design.md, shard schema).
 """
 from __future__ import annotations
 
@@ -19,6 +16,8 @@ import pyarrow.parquet as pq
 from common.io import atomic_path, sha256_file
 
 FORMAT_VERSION = 2
+# The index of a shard folder, written last (generate/generator.py), read by the trainer.
+MANIFEST_FILE = "manifest.json"
 
 # One packed sequence of the corpus: [CLS] tokens-of-one-document [SEP].
 CORPUS_SCHEMA = pa.schema([

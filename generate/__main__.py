@@ -1,202 +1,26 @@
-"""`make generate-epochs`: write each epoch's corrupted rows and labels as Parquet shards.
+"""`make generate-epochs`: the Ray job that writes each epoch's corrupted rows and labels as
+Parquet shards (`generate/generator.py`).
 
     python -m generate --manifest PATH --out DIR [--workers N] [--address ADDR] [--force]
-                       [--corpus DIR] [--aux PATH]
-
-Output folder:
-    plan.json                              what this folder is for (generation key); written first
-    valid/shard-00000.parquet              held-out rows corrupted at T = 1
-    epoch-000/shard-00000.parquet ...      SHARD_SCHEMA rows in training-stream order
-    progress.jsonl                         one record per finished shard (resume)
-    manifest.json                          per shard: path, rows, tokens, bytes, sha256,
-                                           temperature range; per epoch: statistics and
-                                           the curriculum that made it. Written last.
-Inputs are checked before Ray starts; a rerun redoes only shards that are missing
-or whose bytes do not match their record.
+                       [--corpus DIR] [--aux PATH] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import time
 from pathlib import Path
 
-from common.checkpoint import AUX_FILE, IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
-from common.config import ConfigError, RunConfig, config_to_dict, load_manifest, save_resolved
-from common.corpus import SplitRows, load_corpus_meta, term_counts
-from common.io import atomic_write_json, remove_stale_tmp, sha256_file
-from common.shards import FORMAT_VERSION, SHARD_SCHEMA
+from common.checkpoint import AUX_FILE, IncompatibleInputs
+from common.config import ConfigError, add_set_argument, load_manifest
 from common.sources import CorpusError
-from generate.plan import curriculum_record, generation_key, plan_tasks, rows_per_epoch
-from generate.worker import needs_term_counts
-
-MANIFEST_FILE = "manifest.json"
-PLAN_FILE = "plan.json"
-
-
-class OutputConflict(ValueError):
-    """The output folder holds a different generation."""
-
-
-def default_workers() -> int:
-    import torch
-    return torch.cuda.device_count() or os.cpu_count() or 1
-
-
-def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: Path, force: bool) -> dict:
-    """Everything that can be wrong with the inputs, found before any work starts."""
-    corpus = load_corpus_meta(corpus_dir)
-    if corpus["train"]["rows"] == 0 or corpus["valid"]["rows"] == 0:
-        raise CorpusError(f"corpus {corpus_dir} is empty (train {corpus['train']['rows']} rows, "
-                          f"valid {corpus['valid']['rows']} rows)")
-    for split in ("train", "valid"):
-        SplitRows(corpus_dir, split)  # the memory-mapped rows the actors read: present, right size
-    if needs_term_counts(config.generate.distribution, config.generate.augmentation):
-        term_counts(corpus_dir)  # computed once and stored beside the corpus, before the actors read it
-    aux = read_aux_meta(aux_path)
-    check_aux_matches_tokenizer(aux, aux_path, corpus["vocab_size"], corpus["tokenizer_sha256"],
-                                corpus_dir / "tokenizer.model")
-    if sha256_file(aux_path) != aux["sha256"]:
-        raise IncompatibleInputs(f"auxiliary model {aux_path} does not match the sha256 in its aux.json")
-    key = generation_key(config.seed, config.generate, corpus, aux["sha256"])
-    plan_path = out_dir / PLAN_FILE
-    if plan_path.is_file():
-        existing = json.loads(plan_path.read_text())
-        if existing.get("generation_key") != key:
-            if not force:
-                raise OutputConflict(f"{out_dir} holds shards of a different generation (key "
-                                     f"{existing.get('generation_key', '?')[:12]}, this run {key[:12]}); "
-                                     f"use another --out or --force to replace them")
-            shutil.rmtree(out_dir)
-    elif out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
-            raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}; use another --out or --force")
-        shutil.rmtree(out_dir)
-    return {"corpus": corpus, "aux": aux, "key": key}
-
-
-def verified(record: dict | None, out_dir: Path) -> bool:
-    """A finished shard is trusted only if its size and sha256 match its record."""
-    if not record:
-        return False
-    path = out_dir / record["path"]
-    return path.is_file() and path.stat().st_size == record["bytes"] and sha256_file(path) == record["sha256"]
-
-
-def summarize_epochs(records: list[dict], tasks, curriculum: dict | None = None) -> tuple[list[dict], dict]:
-    """Per-epoch and validation statistics; each epoch records the curriculum that made it and the
-    range of its rows' strength gamma (appendix C), validation rows the aux model at T = 1."""
-    by_path = {r["path"]: r for r in records}
-    epochs: dict[int, list[dict]] = {}
-    valid = []
-    for task in tasks:
-        (valid if task.split == "valid" else epochs.setdefault(task.epoch, [])).append(by_path[task.path])
-
-    def stats(shards):
-        shard_fields = ("path", "rows", "tokens", "bytes", "sha256", "stream_start", "temperature_min", "temperature_max")
-        masked = sum(s["masked"] for s in shards)
-        return {
-            "rows": sum(s["rows"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "replaced_fraction": sum(s["replaced"] for s in shards) / max(masked, 1),
-            "aux_top1": sum(s["aux_top1"] for s in shards) / max(masked, 1),
-            "masked_positions": masked,
-            "temperature_min": min(s["temperature_min"] for s in shards),
-            "temperature_max": max(s["temperature_max"] for s in shards),
-            "shards": [{k: s[k] for k in shard_fields} for s in shards],
-        }
-
-    def made_by(shards):
-        gammas = [(s["gamma_min"], s["gamma_max"]) for s in shards if "gamma_min" in s]
-        if curriculum is None or not gammas:
-            return {}
-        return {"curriculum": {**curriculum, "gamma_range": [min(g[0] for g in gammas), max(g[1] for g in gammas)]}}
-    valid_record = {**stats(valid), "curriculum": {"name": "aux model, T = 1", "distribution": "aux"}}
-    return [{"epoch": e, **stats(s), **made_by(s)} for e, s in sorted(epochs.items())], valid_record
-
-
-def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path, workers: int,
-             address: str | None = None, force: bool = False, log=print) -> dict:
-    """Check inputs, run the missing shards on Ray, write manifest.json last. Returns the manifest."""
-    checked = check_inputs(config, corpus_dir, aux_path, out_dir, force)
-    corpus = checked["corpus"]
-    tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(out_dir)
-    for sub in out_dir.iterdir():
-        if sub.is_dir():
-            remove_stale_tmp(sub)
-    atomic_write_json(out_dir / PLAN_FILE, {"generation_key": checked["key"], "tasks": len(tasks)})
-    save_resolved(config, out_dir)
-
-    from generate.job import actor_device, read_progress, run_tasks
-    known = read_progress(out_dir)  # holds the same sizes and hashes as manifest.json
-    manifest_path = out_dir / MANIFEST_FILE
-    done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir)}
-    todo = [t for t in tasks if t.path not in done]
-    if manifest_path.is_file() and not todo:
-        log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards)")
-        return json.loads(manifest_path.read_text())
-    if todo:
-        # Shards of one folder come from one kind of device: the aux model runs in bf16 autocast on GPU and
-        # fp32 on CPU, so finishing a GPU folder on CPU (or the reverse) would make rows depend on where each
-        # shard ran (DESIGN.md, determinism). Refused; --force redoes the other kind's shards here.
-        device = actor_device(address, workers)
-        other = sorted({r["device"] for r in done.values() if r.get("device", device) != device})
-        if other and not force:
-            raise OutputConflict(f"{out_dir} holds shards made on {' and '.join(other)} and this run's workers would "
-                                 f"use {device}; the aux model's numerics differ between them (bf16 on GPU, fp32 on "
-                                 f"CPU). Resume on {' or '.join(other)}, or use --force to redo those shards on {device}")
-        done = {path: r for path, r in done.items() if r.get("device", device) == device}
-        todo = [t for t in tasks if t.path not in done]
-    manifest_path.unlink(missing_ok=True)  # only a complete, verified folder has a manifest
-    log(f"generate: {len(tasks)} shards planned, {len(done)} already done, {len(todo)} to run "
-        f"on {workers} worker(s)")
-    t0 = time.time()
-    actor_args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()),
-                  "out_dir": str(out_dir.resolve()), "seed": config.seed, "mask_prob": config.generate.mask_prob,
-                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker, "zstd_level": config.generate.zstd_level,
-                  "curriculum": {"distribution": config.generate.distribution, "augmentation": config.generate.augmentation,
-                                 "soh_alpha": config.generate.soh_alpha}}
-    records = run_tasks(todo, workers, actor_args, out_dir, address, config.generate.tasks_in_flight) if todo else []
-    seconds = time.time() - t0
-    all_records = list(done.values()) + records
-    epochs, valid = summarize_epochs(all_records, tasks, curriculum_record(config.generate))
-    per_epoch = rows_per_epoch(corpus["train"]["rows"], config.generate)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "generation_key": checked["key"],
-        "seed": config.seed,
-        "config": config_to_dict(config),
-        "schema": [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA],
-        "vocab_size": corpus["vocab_size"],
-        "max_seq_len": corpus["max_seq_len"],
-        "tokenizer_sha256": corpus["tokenizer_sha256"],
-        "aux": {"path": str(aux_path), "sha256": checked["aux"]["sha256"], "num_layers": checked["aux"]["num_layers"]},
-        "rows_per_epoch": per_epoch,
-        "total_rows": per_epoch * config.generate.epochs,
-        "epochs": epochs,
-        "valid": valid,
-        "devices": sorted({r.get("device", "?") for r in all_records}),
-        "seconds": seconds,
-    }
-    atomic_write_json(manifest_path, manifest)
-    tokens = sum(r["tokens"] for r in records)
-    t_all = [e["temperature_min"] for e in epochs] + [e["temperature_max"] for e in epochs]
-    top1 = f", aux top-1 {epochs[0]['aux_top1']:.3f}" if config.generate.distribution == "aux" else ""
-    log(f"generate: {len(records)} shards, {tokens} tokens in {seconds:.1f}s "
-        f"({tokens / max(seconds, 1e-9):.0f} tokens/s); {curriculum_record(config.generate)['name']}; "
-        f"T {min(t_all):.3f}..{max(t_all):.3f}; "
-        f"replaced {epochs[0]['replaced_fraction']:.3f} of masked (epoch 0){top1} -> {manifest_path}")
-    return manifest
+from generate.generator import OutputConflict, default_workers, generate
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m generate", description=__doc__.split("\n")[0])
     parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/epochs)")
     parser.add_argument("--workers", type=int, default=None, help="actors (default: one per GPU, else per core)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="join this Ray cluster")
@@ -205,7 +29,7 @@ def main(argv=None) -> int:
     parser.add_argument("--aux", default=None, help="auxiliary model (default: WORK_DIR/aux/aux.pt)")
     args = parser.parse_args(argv)
     try:
-        config = load_manifest(args.manifest)
+        config = load_manifest(args.manifest, args.sets)
         workers = args.workers if args.workers is not None else default_workers()
         if workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {workers}")

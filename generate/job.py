@@ -20,7 +20,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from generate.worker import ShardTask
+from common.plan import ShardTask
 
 PROGRESS_FILE = "progress.jsonl"
 # Fault injection for tests (real process deaths, not mocks):
@@ -33,7 +33,8 @@ class ShardActor:
     def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
                  batch_tokens: int, threads: int, zstd_level: int, curriculum: dict | None = None):
         from common.corpus import SplitRows, term_counts
-        from generate.worker import Corruptor, ShardWriter, needs_term_counts
+        from common.corrupt import Corruptor, needs_term_counts
+        from generate.worker import ShardWriter
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         curriculum = dict(curriculum or {})  # distribution, augmentation, soh_alpha (GenerateConfig)

@@ -56,8 +56,8 @@ def tiny_config(work_dir: Path, **overrides) -> RunConfig:
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """A corpus, tokenizer and 2-layer aux model built once per test session."""
-    from common.corpus import build_corpus
-    from train.aux import train_aux
+    from corpus.build import build_corpus
+    from auxiliary.mlm import train_aux
     work = tmp_path_factory.mktemp("work")
     write_text_corpus(work / "raw")
     config = tiny_config(work)

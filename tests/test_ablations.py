@@ -9,7 +9,7 @@ import pytest
 from common.checkpoint import AUX_FILE
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from common.shards import SHARD_SCHEMA, list_column, read_parquet
-import train.__main__ as trainer
+import train.trainer as trainer
 from tests.conftest import ROOT
 
 ABLATIONS = sorted((ROOT / "manifests" / "ablations").glob("*.toml"))
@@ -47,7 +47,7 @@ def _shrunk(path, built, work):
 @pytest.mark.slow
 def test_every_ablation_generates_and_trains_briefly(built, tmp_path):
     import ray
-    from generate.__main__ import generate
+    from generate.generator import generate
     valid_hashes = set()
     try:
         for path in ABLATIONS:

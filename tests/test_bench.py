@@ -1,4 +1,4 @@
-"""Benchmark results carry DESIGN.md's key names (the contract other tools read)."""
+"""Benchmark results carry docs/design.md's key names (the contract other tools read)."""
 import json
 
 import pytest

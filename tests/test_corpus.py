@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from common.corpus import SplitRows, build_corpus, load_split, pack_document
+from common.corpus import SplitRows, load_split
+from corpus.build import build_corpus, pack_document
 from common.shards import CORPUS_SCHEMA, read_parquet
 from common.sources import CorpusError, Document, deduplicate, read_jsonl, strip_gutenberg
 from common.tokenizer import CLS_ID, SEP_ID, Tokenizer

@@ -12,8 +12,8 @@ from common.checkpoint import AUX_FILE
 from common.config import GenerateConfig
 from common.corpus import TERM_COUNTS_FILE, load_corpus_meta, load_split, term_counts
 from common.tokenizer import SPECIAL_IDS
-from generate.plan import LEGACY_CURRICULUM, generation_key
-from generate.worker import Corruptor
+from common.plan import LEGACY_CURRICULUM, generation_key
+from common.corrupt import Corruptor
 
 CURRICULA = [
     ("aux", "temperature", 1.0), ("aux", "tf_interpolation", 1.0), ("aux", "dropout", 0.9),

@@ -12,9 +12,10 @@ from common.config import config_from_dict, config_to_dict
 from common.corpus import SplitRows, load_corpus_meta
 from common.model import Encoder
 from common.shards import SHARD_SCHEMA
-from generate.plan import plan_tasks
-from generate.worker import Corruptor, ShardWriter
-from train.data import MANIFEST_FILE
+from common.plan import plan_tasks
+from common.corrupt import Corruptor
+from generate.worker import ShardWriter
+from common.shards import MANIFEST_FILE
 
 
 def write_one_shard(config, out_dir):

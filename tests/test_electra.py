@@ -6,9 +6,9 @@ import torch
 
 from common.checkpoint import AUX_FILE, latest_checkpoint
 from common.config import load_manifest
-from generate.worker import Corruptor
+from common.corrupt import Corruptor
 from tests.conftest import train_with
-from train.electra import ElectraPair, generator_layers, masked_inputs
+from train.objectives import ElectraPair, generator_layers, masked_inputs
 from train.online import OnlineStream
 
 SHARED = ("encoder.embed.weight", "encoder.ln_embed.weight", "encoder.ln_embed.bias")

@@ -1,5 +1,5 @@
 """Fine-tuning (paper appendix A): metrics against hand-computed values, GLUE TSV reading and
-its errors, the config, and short real runs of `python -m train.finetune` on tiny tasks the
+its errors, the config, and short real runs of `python -m finetune` on tiny tasks the
 tests write, with a tiny model saved as a trainer checkpoint."""
 import bz2
 import json
@@ -14,10 +14,10 @@ from common.config import ConfigError, config_to_dict
 from common.model import ReplacedTokenDetector
 from common.tokenizer import train_tokenizer
 from tests.conftest import WORDS, tiny_config
-from train import finetune as ft
-from train import rotten_tomatoes as rt
-from train.finetune_config import GridConfig, dump_toml, resolve_config
-from train.glue import (TaskError, accuracy, f1_score, matthews_corrcoef, pearson, rank_average, read_split,
+from finetune import __main__ as finetune_cli, finetuner as ft
+from finetune import rotten_tomatoes as rt
+from finetune.config import GridConfig, dump_toml, resolve_config
+from finetune.glue import (TaskError, accuracy, f1_score, matthews_corrcoef, pearson, rank_average, read_split,
                         spearman)
 
 POSITIVE = "good fair sweet noble love heaven friend".split()
@@ -216,7 +216,7 @@ def run_cli(backbone_files, task, out, *extra):
     work, config, checkpoint, _ = backbone_files
     args = ["--checkpoint", str(checkpoint.parent.parent), "--corpus", str(config.corpus_dir), "--task", str(task),
             "--out", str(out), "--no-progress", *extra]
-    return ft.main(args)
+    return finetune_cli.main(args)
 
 
 def test_finetune_runs_grid_and_seeds_and_reports_median_and_spread(backbone_files, tmp_path):
@@ -325,7 +325,7 @@ def test_cli_errors_are_clear(backbone_files, tmp_path, capsys):
     task = write_task(tmp_path / "t", [("good", "1"), ("foul", "0")], [("fair", "2")])
     assert run_cli(backbone_files, task, tmp_path / "out") == 2
     assert "label(s) '2' not among" in capsys.readouterr().err
-    assert ft.main(["--task", str(task), "--out", str(tmp_path / "o")]) == 2
+    assert finetune_cli.main(["--task", str(task), "--out", str(tmp_path / "o")]) == 2
     assert "pass --checkpoint" in capsys.readouterr().err
     assert run_cli(backbone_files, tmp_path / "nowhere", tmp_path / "out") == 2
     assert "does not exist" in capsys.readouterr().err

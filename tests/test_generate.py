@@ -11,9 +11,9 @@ from common.corpus import load_split
 from common.curriculum import num_to_mask, temperature_at
 from common.sources import CorpusError
 from common.tokenizer import SPECIAL_IDS
-from generate.__main__ import OutputConflict, generate
-from generate.plan import plan_tasks
-from generate.worker import Corruptor
+from generate.generator import OutputConflict, generate
+from common.plan import plan_tasks
+from common.corrupt import Corruptor
 
 
 def test_corruptor_is_pure_and_follows_the_label_rule(built):

@@ -5,7 +5,7 @@ import torch
 
 from common.checkpoint import AUX_FILE
 from common.corpus import load_split
-from generate.worker import Corruptor
+from common.corrupt import Corruptor
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -1,4 +1,4 @@
-"""`make reproduce` (train/reproduce.py): the methods' manifests and plans, the pre-training text
+"""`make reproduce` (experiments/reproduce.py): the methods' manifests and plans, the pre-training text
 (no label, no dev sentence), the trainer's --deadline, and one real small reproduction on a fake
 wheel: real generation, real torchrun trainers under the budget, real fine-tuning, the table and
 the figure, and a rerun that redoes nothing."""
@@ -15,8 +15,8 @@ import pytest
 
 from common.config import ConfigError, config_from_dict, config_to_dict, dump_toml
 from tests.conftest import ROOT, WORDS, tiny_config
-from train import reproduce as rp
-from train import rotten_tomatoes as rt
+from experiments import reproduce as rp
+from finetune import rotten_tomatoes as rt
 
 POSITIVE = "good fair sweet noble love heaven friend".split()
 NEGATIVE = "foul death sorrow blood enemy never night".split()
@@ -64,7 +64,7 @@ def test_pretraining_text_has_no_label_and_no_dev_sentence(tmp_path):
 
 
 def test_method_manifests_and_the_plan(tmp_path):
-    from common.corpus import build_corpus
+    from corpus.build import build_corpus
     from tests.conftest import write_text_corpus
     base = tiny_config(tmp_path / "shared", train={"batch_size": 8, "warmup_steps": 40, "log_every": 4,
                                                   "ckpt_every": 8, "eval_every": 8})
@@ -94,7 +94,7 @@ def test_pretraining_is_reused_only_for_the_very_manifest_it_ran(tmp_path, monke
     """A finished method comes back as it is for the same manifest; a changed model (same plan, same
     update count) is generated and trained again, also after a stop before its new timing record was
     written. `run`, the subprocess runner, stops at the first command it is given."""
-    from common.corpus import build_corpus
+    from corpus.build import build_corpus
     from tests.conftest import write_text_corpus
     shared = tmp_path / "shared"
     base = tiny_config(shared, train={"batch_size": 8})
@@ -216,15 +216,15 @@ def test_reproduce_end_to_end_under_the_budget_and_rerun_redoes_nothing(tmp_path
     assert len(list((out / "none" / "finetune").iterdir())) == 2
 
 
-def test_readme_reports_the_table_in_bench_results():
-    """The README's `make reproduce` table is the one the last run wrote (bench/results/reproduce.md):
-    a rerun whose table was not copied into the README fails here."""
+def test_docs_report_the_table_in_bench_results():
+    """docs/experiments.md's `make reproduce` table is the one the last run wrote (bench/results/reproduce.md):
+    a rerun whose table was not copied into the docs fails here."""
     table = [line for line in (ROOT / "bench" / "results" / "reproduce.md").read_text().splitlines()
              if line.startswith("| ")]
-    readme = (ROOT / "README.md").read_text().splitlines()
+    readme = (ROOT / "docs" / "experiments.md").read_text().splitlines()
     assert len(table) >= 3  # header and at least one method besides the floor
     missing = [line for line in table if line not in readme]
-    assert not missing, f"README lacks these rows of bench/results/reproduce.md: {missing}"
+    assert not missing, f"docs/experiments.md lacks these rows of bench/results/reproduce.md: {missing}"
     date = json.loads((ROOT / "bench" / "results" / "reproduce.json").read_text())["date"]
     start = next(i for i, line in enumerate(readme) if line.startswith("What it printed on this machine"))
-    assert date in " ".join(readme[start:start + 3]), f"the README's run is not dated {date}, the table's date"
+    assert date in " ".join(readme[start:start + 3]), f"docs/experiments.md's run is not dated {date}, the table's date"

@@ -4,7 +4,7 @@ import pytest
 
 from common.config import ConfigError, GenerateConfig
 from common.curriculum import row_fraction, strength_at, temperature_at
-from generate.plan import epoch_curriculum, epoch_temperatures, plan_tasks
+from common.plan import epoch_curriculum, epoch_temperatures, plan_tasks
 
 U = np.linspace(0.0, 1.0, 1001)
 

@@ -1,4 +1,4 @@
-"""Non-finite losses (DESIGN.md trainer contract, issue: "a non-finite loss skips the step and
+"""Non-finite losses (docs/design.md trainer contract, issue: "a non-finite loss skips the step and
 is counted; K in a row stop the run with the step, the rows and the last good checkpoint named").
 
 The real trainer runs in-process on real shards; the only change is a detector whose
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-import train.__main__ as trainer
+import train.trainer as trainer
 from common.checkpoint import latest_checkpoint
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from common.model import ReplacedTokenDetector

@@ -1,5 +1,5 @@
 """Exact resume: a run killed with SIGKILL and resumed logs the same per-step losses and
-row ranges as an uninterrupted run, bitwise on CPU (DESIGN.md, trainer contract); also
+row ranges as an uninterrupted run, bitwise on CPU (docs/design.md, trainer contract); also
 when killed right at an epoch boundary, and for a 2-node torchrun on loopback."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""Reading the generator's shards in manifest order (DESIGN.md, trainer contract).
+"""Reading the generator's shards in manifest order (docs/design.md, trainer contract).
 
 Global batch b at step s is rows [s*b, (s+1)*b) of the stream; rank r of W takes
 its contiguous slice. Every shard is checked against the manifest (size at start,
@@ -20,9 +20,8 @@ from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs
 from common.config import RunConfig
 from common.io import sha256_file
-from common.shards import SHARD_SCHEMA, list_column, read_parquet
+from common.shards import MANIFEST_FILE, SHARD_SCHEMA, list_column, read_parquet
 
-MANIFEST_FILE = "manifest.json"
 
 
 class DataError(ValueError):

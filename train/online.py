@@ -2,7 +2,7 @@
 
 Paper section 3: the auxiliary model is fixed, so its corruption of a row depends only
 on (seed, epoch, row, temperature). This stream computes, on demand, exactly the rows
-the generator writes to the shards: the same plan (`generate.plan`: epoch permutation,
+the generator writes to the shards: the same plan (`common.plan`: epoch permutation,
 per-row temperature) and the same `Corruptor` (masking, aux forward, fp32 sampling,
 labels). It is the baseline that `fast-offline` removes the aux cost from, and a test
 checks it feeds the main model the very same ids and labels as the shards.
@@ -19,8 +19,8 @@ from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, r
 from common.config import RunConfig
 from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import VALID_EPOCH
-from generate.plan import epoch_curriculum, epoch_order, generation_key, rows_per_epoch
-from generate.worker import Corruptor
+from common.plan import epoch_curriculum, epoch_order, generation_key, rows_per_epoch
+from common.corrupt import Corruptor
 
 
 class OnlineStream:

@@ -1,4 +1,4 @@
-"""Training curves as PNG beside metrics.jsonl (DESIGN.md: "plots are PNG files beside them").
+"""Training curves as PNG beside metrics.jsonl (docs/design.md: "plots are PNG files beside them").
 
     python -m train.plots RUN_DIR        # redraw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl
 """

@@ -1,21 +1,37 @@
 """What the generator must write: the (epoch, shard) tasks, their rows and curriculum.
 
 A pure function of (corpus size, config, seed): the same plan on every machine,
-for any worker count. Paper section 3 / DESIGN.md: T(u) = 1 + (T0-1) exp(-u/tau)
+for any worker count. Paper section 3 / docs/design.md: T(u) = 1 + (T0-1) exp(-u/tau)
 with u = global row index in the training stream / total rows of all epochs.
 Appendix C: any schedule gives each row a strength gamma(u); temperature scaling
 uses T = 1 + gamma, the other curricula gamma itself (and T = 1).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass
 
 import numpy as np
 
 from common.config import ConfigError, GenerateConfig
 from common.curriculum import VALID_EPOCH, row_fraction, strength_at
-from generate.worker import ShardTask
+
+
+@dataclass
+class ShardTask:
+    """One unit of work: rows `row_ids` of the corpus split, at stream positions
+    `stream_start ...`, written to `path` (relative to the output folder). `gammas`: each row's
+    curriculum strength (appendix C); None for the aux model at `temperatures` alone."""
+    epoch: int
+    shard_index: int
+    split: str
+    stream_start: int
+    row_ids: np.ndarray
+    temperatures: np.ndarray
+    path: str
+    gammas: np.ndarray | None = None
 
 
 # The only curriculum before these settings existed (temperature scaling, exponential decay).
@@ -115,10 +131,9 @@ def plan_tasks(num_train_rows: int, num_valid_rows: int, cfg: GenerateConfig, se
 
 
 def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256: str) -> str:
-    """Everything a shard's bytes depend on (DESIGN.md, determinism), hashed. The curriculum settings
+    """Everything a shard's bytes depend on (docs/design.md, determinism), hashed. The curriculum settings
     are left out while they equal the values that reproduce the shards made before they existed,
     so those folders stay valid."""
-    import dataclasses
     generate = dataclasses.asdict(cfg)  # threads_per_worker included: CPU kernels may round differently
     del generate["tasks_in_flight"]  # scheduling only: the bytes do not depend on it (test_generate_resume)
     for key, value in LEGACY_CURRICULUM.items():

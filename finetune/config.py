@@ -1,4 +1,4 @@
-"""Configuration of `python -m train.finetune` (paper appendix A, table "Hyperparameter search
+"""Configuration of `python -m finetune` (paper appendix A, table "Hyperparameter search
 space in fine-tuning"): one dataclass per part, built from a TOML `[finetune]` table and
 `--set key=value` overrides, unknown keys refused.
 
@@ -15,12 +15,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import ConfigError, _build, _toml_value
-from train.glue import METRICS, glue_layout
+from common.config import ConfigError, apply_sets, build_config, read_toml, toml_value
+from finetune.glue import METRICS, glue_layout
 
 BUILTIN_TASKS = ("rotten_tomatoes",)
 
@@ -138,53 +137,30 @@ class FinetuneConfig:
                               "embedding_row_rms >= 0")
 
 
-def parse_set(assignment: str) -> tuple[list[str], object]:
-    """'grid.lr=[1e-4, 3e-4]' -> (['grid', 'lr'], [1e-4, 3e-4]); a value that is not TOML is a string."""
-    key, sep, raw = assignment.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set expects KEY=VALUE, got {assignment!r}")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip().split("."), value
-
-
 def resolve_config(toml_path: str | Path | None = None, sets: list[str] = (),
                    task: str | None = None, table: dict | None = None) -> FinetuneConfig:
     """Defaults < the GLUE layout of the task folder's name < the TOML's [finetune] (or `table`, the
     same keys as a dict) < --set < --task."""
     data: dict = copy.deepcopy(table) if table else {}
     if toml_path:
-        path = Path(toml_path)
-        try:
-            table = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"fine-tuning config {path} cannot be read: {e}") from e
-        if not isinstance(table.get("finetune"), dict):
-            raise ConfigError(f"fine-tuning config {path} has no [finetune] table")
-        data = table["finetune"]
-    for assignment in sets:
-        keys, value = parse_set(assignment)
-        node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {assignment!r}: {k} is not a table")
-        node[keys[-1]] = value
+        whole = read_toml(toml_path)  # the project's one loader: `extends` works here too
+        if not isinstance(whole.get("finetune"), dict):
+            raise ConfigError(f"fine-tuning config {toml_path} has no [finetune] table")
+        data = whole["finetune"]
+    data = apply_sets(data, sets)
     task_table = data.setdefault("task", {})
     if not isinstance(task_table, dict):
         raise ConfigError("finetune.task must be a table")
     if task:
         task_table["path"] = task
     data["task"] = {**glue_layout(task_table.get("path", TaskConfig.path)), **task_table}
-    return _build(FinetuneConfig, data, "finetune.")
+    return build_config(FinetuneConfig, data, "finetune.")
 
 
 def dump_toml(config: FinetuneConfig) -> str:
     """The resolved config as a `--config` file that resolves to an equal config."""
     data = dataclasses.asdict(config)
-    out = ["[finetune]"] + [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    out = ["[finetune]"] + [f"{k} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for name in ("task", "grid"):
-        out += ["", f"[finetune.{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in data[name].items()]
+        out += ["", f"[finetune.{name}]"] + [f"{k} = {toml_value(v)}" for k, v in data[name].items()]
     return "\n".join(out) + "\n"

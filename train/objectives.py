@@ -1,6 +1,8 @@
-"""`electra`: the original ELECTRA joint training, the baseline Fast-ELECTRA saves against.
+"""The training objectives: RTD on the shards (the product, paper section 3) and the original
+ELECTRA joint training, the baseline Fast-ELECTRA saves against. The trainer, `bench/` and the
+experiments all compute their losses here.
 
-Paper section 2: a generator G (an MLM) and the discriminator D are trained together,
+`electra`, paper section 2: a generator G (an MLM) and the discriminator D are trained together,
     L = L_MLM(G) + lambda * L_RTD(D),  lambda = 50,
 with masking and sampling done online, no gradient through the sampling, and the token
 embeddings (and their LayerNorm) shared between G and D. The generator here has the main
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.batching import attention_mask
 from common.config import ModelConfig
 from common.curriculum import row_draws, sample_replacements
 from common.model import MaskedLM, ReplacedTokenDetector
@@ -68,3 +71,33 @@ def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray
         flags[i, torch.from_numpy(pos)] = True
     return {"original_ids": original, "masked_ids": original.masked_fill(flags, MASK_ID), "masked_flags": flags,
             "uniforms": torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))}
+
+
+def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15) -> dict:
+    """`electra`: original rows -> padded originals, [MASK]ed inputs, masked flags and uniforms."""
+    lengths = [len(r) for r in rows["input_ids"]]
+    batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths))
+    return {**batch, "attention_mask": attention_mask(lengths, max(lengths))}
+
+
+ELECTRA_INPUTS = ("masked_ids", "attention_mask", "masked_flags", "original_ids", "uniforms")
+
+
+def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
+    """One micro-batch through the model: (RTD loss summed over its non-pad tokens, and for `electra`
+    the generator's MLM loss summed over its masked positions and its top-1 hits; else None, None)."""
+    mask = batch["attention_mask"].to(device)
+    if electra:  # the generator masks, predicts and samples; the discriminator detects
+        mlm, logits, labels, hits = model(*(batch[k].to(device) for k in ELECTRA_INPUTS))
+    else:
+        logits, labels = model(batch["input_ids"].to(device), mask), batch["labels"].to(device)
+        mlm = hits = None
+    rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum")
+    return rtd, mlm, hits
+
+
+def objective(rtd_sum, mlm_sum, tokens: float, masked: float, electra_lambda: float):
+    """The loss to differentiate: RTD mean over tokens (paper section 3), or for `electra`
+    L_MLM + lambda * L_RTD (paper section 2). `tokens` / `masked`: the counts the sums are over."""
+    rtd = rtd_sum / tokens
+    return rtd if mlm_sum is None else mlm_sum / masked + electra_lambda * rtd

@@ -1,10 +1,10 @@
 """Short-run ablation of the tiny preset's learning-rate multipliers and RTD-head prior init.
 
-    python -m bench.ablate_tiny --steps 256 --embed-lr-scale 30 --rel-bias-lr-scale 100 --prior-init
+    python -m experiments.ablate_tiny --steps 256 --embed-lr-scale 30 --rel-bias-lr-scale 100 --prior-init
 
 Trains the tiny main model in-process on the generated shards (rows in stream order, the trainer's
 optimizer and schedule) and prints validation metrics every 64 updates. A development tool that
-backs the figures in README "Design notes"; not a test, not part of `make train`.
+backs the figures in docs/design.md (design notes); not a test, not part of `make train`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from train.metrics import rtd_metrics
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.ablate_tiny")
+    parser = argparse.ArgumentParser(prog="python -m experiments.ablate_tiny")
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     parser.add_argument("--data", default="work/tiny/epochs")
     parser.add_argument("--steps", type=int, default=256)

@@ -1,0 +1,1 @@
+"""The aux stage: train the auxiliary masked LM (`python -m auxiliary`, `make aux`)."""

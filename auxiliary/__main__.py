@@ -1,0 +1,43 @@
+"""`make aux`: train the auxiliary masked LM (`auxiliary/mlm.py`).
+
+    python -m auxiliary --manifest manifests/tiny.toml [--corpus DIR] [--out DIR] [--force] [--set KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from auxiliary.mlm import aux_is_current, train_aux
+from common.checkpoint import AUX_FILE
+from common.config import ConfigError, add_set_argument, load_manifest
+from common.sources import CorpusError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m auxiliary", description="Train the auxiliary MLM.")
+    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_set_argument(parser)
+    parser.add_argument("--corpus", default=None, help="corpus folder (default: WORK_DIR/corpus)")
+    parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/aux)")
+    parser.add_argument("--force", action="store_true", help="retrain even if aux.pt exists")
+    args = parser.parse_args(argv)
+    try:
+        config = load_manifest(args.manifest, args.sets)
+        corpus = Path(args.corpus) if args.corpus else config.corpus_dir
+        out = Path(args.out) if args.out else config.aux_dir
+        if not args.force and aux_is_current(config, corpus, out):
+            print(f"aux: {out / AUX_FILE} is up to date (use --force to retrain)")
+            return 0
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        train_aux(config, corpus, out)
+    except (ConfigError, CorpusError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

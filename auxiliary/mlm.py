@@ -1,0 +1,109 @@
+"""`make aux`: train the auxiliary masked LM, standing in for "an existing model
+from a previous training round" (paper section 3; section 4.1: MLM, lr 5e-4).
+
+    python -m auxiliary --manifest manifests/tiny.toml [--corpus DIR] [--out DIR]  (`auxiliary/__main__.py`)
+
+Masked positions always get [MASK] (the generator later feeds the aux model the
+same kind of input). Writes aux.pt and aux.json (sha256, vocabulary, metrics).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common.batching import attention_mask, pad_rows
+from common.checkpoint import AUX_FILE, read_aux_meta, save_aux
+from common.io import sha256_file
+from common.config import RunConfig, save_resolved
+from common.corpus import load_corpus_meta, load_split
+from common.sources import CorpusError
+from common.curriculum import mask_for_mlm, row_rng
+from common.model import MaskedLM, count_parameters
+from common.optim import build_optimizer, build_scheduler
+from common.tokenizer import Tokenizer
+
+
+def mlm_batch(rows: list[np.ndarray], mask_prob: float, seed: int, step: int, row_ids) -> tuple:
+    masked, positions = [], []
+    for r, rid in zip(rows, row_ids):
+        m, pos = mask_for_mlm(r, mask_prob, row_rng(seed, step, int(rid)))
+        masked.append(m)
+        positions.append(pos)
+    ids = pad_rows(masked)
+    mask_flags = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, pos in enumerate(positions):
+        mask_flags[i, torch.from_numpy(pos)] = True
+    targets = pad_rows(rows)[mask_flags]
+    return ids, attention_mask([len(r) for r in rows], ids.shape[1]), mask_flags, targets
+
+
+@torch.no_grad()
+def evaluate_mlm(model: MaskedLM, rows: list[np.ndarray], mask_prob: float, seed: int, batch_size: int = 64) -> dict:
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        ids, attn, flags, targets = mlm_batch(chunk, mask_prob, seed, 10**9, range(start, start + len(chunk)))
+        logits = model(ids, attn, flags)
+        loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
+        correct += (logits.argmax(-1) == targets).sum().item()
+        count += len(targets)
+    model.train()
+    return {"mlm_loss": loss_sum / max(count, 1), "mlm_top1": correct / max(count, 1)}
+
+
+def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> Path:
+    cfg = config.aux
+    meta = load_corpus_meta(corpus_dir)
+    tok = Tokenizer(Path(corpus_dir) / "tokenizer.model")
+    train_rows = load_split(corpus_dir, "train")
+    valid_rows = load_split(corpus_dir, "valid")[:256]
+    torch.manual_seed(config.seed)
+    model = MaskedLM(config.model, tok.vocab_size, cfg.num_layers)
+    optimizer = build_optimizer(model, cfg.lr, config.train.betas, config.train.eps, config.train.weight_decay,
+                                config.train.rel_bias_lr_scale)  # no embed_lr_scale: the MLM output is tied to it
+    scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.steps)
+    log(f"aux: {count_parameters(model) / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
+        f"{cfg.steps} steps x {cfg.batch_size} rows, lr {cfg.lr}")
+    start_metrics = evaluate_mlm(model, valid_rows, cfg.mask_prob, config.seed)
+    batch_rng = np.random.default_rng([config.seed, 0xA0C])
+    t0, tokens = time.time(), 0
+    bar = tqdm(range(cfg.steps), desc="aux MLM", unit="step", dynamic_ncols=True)
+    for step in bar:
+        row_ids = batch_rng.integers(0, len(train_rows), size=cfg.batch_size)
+        rows = [train_rows[i] for i in row_ids]
+        ids, attn, flags, targets = mlm_batch(rows, cfg.mask_prob, config.seed, step, row_ids)
+        loss = F.cross_entropy(model(ids, attn, flags).float(), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.clip_norm)
+        optimizer.step()
+        scheduler.step()
+        tokens += int(attn.sum())
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.time() - t0):.0f}")
+    end_metrics = evaluate_mlm(model, valid_rows, cfg.mask_prob, config.seed)
+    metrics = {"steps": cfg.steps, "start": start_metrics, "end": end_metrics,
+               "tokens_per_s": tokens / (time.time() - t0)}
+    path = save_aux(model, config.model, cfg.num_layers, tok.vocab_size, meta["tokenizer_sha256"], out_dir, metrics)
+    save_resolved(config, out_dir)
+    log(f"aux: valid MLM loss {start_metrics['mlm_loss']:.3f} -> {end_metrics['mlm_loss']:.3f}, "
+        f"top-1 {start_metrics['mlm_top1']:.3f} -> {end_metrics['mlm_top1']:.3f}; "
+        f"{metrics['tokens_per_s']:.0f} tokens/s -> {path}")
+    return path
+
+
+def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
+    """True if aux.pt matches its aux.json, the current corpus's tokenizer and the manifest's sizes."""
+    try:
+        meta = read_aux_meta(out_dir / AUX_FILE)
+        corpus = load_corpus_meta(corpus_dir)
+    except (FileNotFoundError, CorpusError):
+        return False
+    return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
+            and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps
+            and sha256_file(out_dir / AUX_FILE) == meta["sha256"])

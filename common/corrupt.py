@@ -1,0 +1,159 @@
+"""Corrupting rows with the frozen auxiliary model: what the generator writes to the shards and
+what `fast-online` computes in the training loop, by the same code.
+
+`Corruptor` loads the aux model once and is then a pure `batch -> batch` function
+(paper section 3: mask, aux forward, sample at temperature T, label), unit-tested
+without Ray.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.augment import batch_generator, drop_tokens, forward_with_dropout
+from common.batching import attention_mask, length_batches, pad_rows
+from common.checkpoint import load_aux
+from common.config import GenerateConfig
+from common.corpus import term_counts
+from common.curriculum import row_draws, rtd_labels
+from common.distributions import (aux_log_probs, log_interpolation, sample_from_log_weights, sample_temperature,
+                                  smoothed_one_hot_log_probs, term_frequency_log_probs, uniform_log_probs)
+from common.tokenizer import MASK_ID
+
+
+def needs_term_counts(distribution: str, augmentation: str) -> bool:
+    return distribution in ("term_frequency", "tf_to_soh") or (distribution, augmentation) == ("aux", "tf_interpolation")
+
+
+class Corruptor:
+    """Frozen aux model -> corrupted ids and RTD labels for a batch of rows. The default is the
+    paper's own curriculum (section 3); `distribution` / `augmentation` select the alternatives of
+    section 5.1 and appendix C, applied to the rows of a call that come with `gammas`."""
+
+    def __init__(self, aux_path: str | Path, seed: int, mask_prob: float, batch_tokens: int, device: str = "cpu",
+                 distribution: str = "aux", augmentation: str = "temperature", soh_alpha: float = 0.35,
+                 term_counts: np.ndarray | None = None):
+        self.device = torch.device(device)
+        self.model, self.aux_meta = load_aux(aux_path, map_location=self.device)
+        self.seed, self.mask_prob, self.batch_tokens = seed, mask_prob, batch_tokens
+        self.distribution, self.augmentation, self.soh_alpha = distribution, augmentation, soh_alpha
+        self.vocab_size = int(self.aux_meta["vocab_size"])
+        self.log_tf = None if term_counts is None else term_frequency_log_probs(term_counts, self.device)
+        if self.log_tf is None and needs_term_counts(distribution, augmentation):
+            raise ValueError(f"distribution {distribution!r} / augmentation {augmentation!r} needs term counts")
+        # bf16 autocast for the aux forward on GPU; softmax and sampling stay in fp32.
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+
+    @classmethod
+    def from_config(cls, aux_path: str | Path, seed: int, cfg: GenerateConfig, corpus_dir: str | Path,
+                    device: str = "cpu") -> "Corruptor":
+        """The Corruptor of a manifest's [generate] table (term counts read beside the corpus)."""
+        counts = term_counts(corpus_dir) if needs_term_counts(cfg.distribution, cfg.augmentation) else None
+        return cls(aux_path, seed, cfg.mask_prob, cfg.batch_tokens, device, cfg.distribution, cfg.augmentation,
+                   cfg.soh_alpha, counts)
+
+    def masked_batches(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, drop_rates=None):
+        """Per-row masked positions and uniforms, and the length-grouped model inputs as a list of
+        (row indices, input ids, attention mask, masked flags) on the device. With `drop_rates`, each
+        row's aux input also gets that fraction of [UNK]s (appendix C), drawn after its other draws."""
+        positions, uniforms, inputs = [], [], []
+        for i, (r, rid) in enumerate(zip(rows, row_ids)):
+            pos, u, rng = row_draws(r, self.mask_prob, self.seed, epoch, int(rid))
+            positions.append(pos)
+            uniforms.append(u)
+            m = r.copy()
+            m[pos] = MASK_ID
+            inputs.append(m if drop_rates is None else drop_tokens(m, float(drop_rates[i]), rng))
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        batches = []
+        for batch in length_batches(lengths, self.batch_tokens):
+            ids = pad_rows([inputs[i] for i in batch]).to(self.device)
+            attn = attention_mask(lengths[batch], ids.shape[1]).to(self.device)
+            flags = torch.zeros(ids.shape, dtype=torch.bool)
+            for j, i in enumerate(batch):
+                flags[j, torch.from_numpy(positions[i])] = True
+            batches.append((batch, ids, attn, flags.to(self.device)))
+        return positions, uniforms, batches
+
+    def aux_logits(self, ids, attn, flags, dropout=None, attention_dropout=None, generator=None) -> torch.Tensor:
+        """The aux forward; with per-row `dropout` / `attention_dropout` rates (appendix C) drawn from `generator`."""
+        with self.autocast or contextlib.nullcontext():
+            if dropout is None and attention_dropout is None:
+                return self.model(ids, attn, flags)
+            return forward_with_dropout(self.model, ids, attn, flags, dropout, attention_dropout, generator)
+
+    def _model_free(self, distribution: str, originals: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        """Section 5.1 / appendix B: replaced-token log-probabilities with no aux model, (K, V)."""
+        k, v = len(originals), self.vocab_size
+        if distribution == "uniform":
+            return uniform_log_probs(k, v, self.device)
+        if distribution == "term_frequency":
+            return self.log_tf.expand(k, v).clone()
+        soh = smoothed_one_hot_log_probs(originals, v, self.soh_alpha)
+        if distribution == "smoothed_one_hot":
+            return soh
+        easy = uniform_log_probs(1, v, self.device)[0] if distribution == "uniform_to_soh" else self.log_tf
+        return log_interpolation(easy, soh, gammas)
+
+    def _sample(self, batch, ids, attn, flags, counts, uniforms, temperatures, gammas, originals, row_ids, epoch):
+        """Replacements at the batch's masked positions, and the aux logits (None without an aux model).
+        `gammas` None: the aux model at `temperatures` (paper eq. 1), whatever the curriculum."""
+        per_position = lambda values: torch.from_numpy(np.repeat(values[batch].astype(np.float32), counts)).to(self.device)
+        distribution = "aux" if gammas is None else self.distribution
+        augmentation = "temperature" if gammas is None else self.augmentation
+        if distribution != "aux":
+            log_w = self._model_free(distribution, torch.from_numpy(originals).to(self.device), per_position(gammas))
+            return sample_from_log_weights(log_w, uniforms), None
+        rates = {}
+        if augmentation in ("dropout", "attention_dropout"):
+            rates[augmentation] = torch.from_numpy(gammas[batch].astype(np.float32)).to(self.device)
+            rates["generator"] = batch_generator(self.seed, epoch, row_ids[batch], self.device)
+        logits = self.aux_logits(ids, attn, flags, **rates)
+        if augmentation == "tf_interpolation":
+            log_w = log_interpolation(self.log_tf, aux_log_probs(logits), per_position(gammas))
+            return sample_from_log_weights(log_w, uniforms), logits
+        return sample_temperature(logits, per_position(temperatures), uniforms), logits
+
+    def prepare(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, gammas: np.ndarray | None = None):
+        """The CPU half of a call (per-row masking and uniforms, padded inputs on the device); it needs
+        no model, so a GPU actor runs it for the next shard while the device is busy."""
+        row_ids = np.asarray(row_ids)
+        drop = gammas if gammas is not None and self.distribution == "aux" and self.augmentation == "drop_token" else None
+        return self.masked_batches(rows, row_ids, epoch, drop)
+
+    @torch.no_grad()
+    def __call__(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, temperatures: np.ndarray,
+                 gammas: np.ndarray | None = None, prepared=None) -> dict:
+        """Corrupt `rows` (original ids). Returns per-row corrupted ids and labels plus counts:
+        masked positions, replaced positions, aux top-1 hits at masked positions (0 with no aux model).
+        Without `gammas` the rows are corrupted by the aux model at `temperatures` whatever this
+        Corruptor's curriculum (the validation rows; the paper's default path). `prepared`: the
+        output of `prepare` for the same arguments, if already computed."""
+        row_ids = np.asarray(row_ids)
+        positions, uniforms, batches = prepared or self.prepare(rows, row_ids, epoch, gammas)
+        corrupted = [r.astype(np.int32, copy=True) for r in rows]
+        top1_hits = 0
+        for batch, ids, attn, flags in batches:
+            counts = [len(positions[i]) for i in batch]
+            originals = np.concatenate([rows[i][positions[i]] for i in batch])
+            u = torch.from_numpy(np.concatenate([uniforms[i] for i in batch])).to(self.device)
+            sampled, logits = self._sample(batch, ids, attn, flags, counts, u, temperatures, gammas, originals,
+                                           row_ids, epoch)
+            sampled = sampled.cpu().numpy()
+            if logits is not None:
+                top1_hits += int((logits.argmax(-1).cpu().numpy() == originals).sum())
+            offset = 0
+            for i, k in zip(batch, counts):
+                corrupted[i][positions[i]] = sampled[offset:offset + k]
+                offset += k
+        labels = [rtd_labels(r, c) for r, c in zip(rows, corrupted)]
+        return {
+            "input_ids": corrupted,
+            "labels": labels,
+            "masked": int(sum(len(p) for p in positions)),
+            "replaced": int(sum(int(l.sum()) for l in labels)),
+            "aux_top1": top1_hits,
+        }

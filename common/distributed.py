@@ -1,0 +1,49 @@
+"""Process-group helpers for the torchrun trainer (one rank when run without torchrun)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """torchrun sets WORLD_SIZE/RANK; NCCL on GPU, gloo on CPU. Plain `python -m train` is one rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        # NCCL for CUDA tensors; gloo also on GPU machines for the few CPU scalars we reduce.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def all_reduce(values: list[float], world: int, op=None) -> list[float]:
+    """Sum (or `op`) of a few floats over all ranks."""
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_max(values: list[float], world: int) -> list[float]:
+    """Element-wise maximum of a few floats over all ranks."""
+    return all_reduce(values, world, dist.ReduceOp.MAX if world > 1 else None)
+
+
+def gather_objects(obj, world: int) -> list:
+    """`obj` of every rank, in rank order, on every rank."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()

@@ -1,0 +1,1 @@
+"""The corpus stage: raw text -> tokenizer + packed sequences."""

@@ -1,0 +1,40 @@
+"""`make corpus`: raw text -> tokenizer + packed sequences (`corpus/build.py`).
+
+    python -m corpus --manifest manifests/tiny.toml [--source PATH] [--out DIR] [--set KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from common.config import ConfigError, add_set_argument, load_manifest
+from common.sources import CorpusError
+from corpus.build import build_corpus, corpus_is_current
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n")[0])
+    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_set_argument(parser)
+    parser.add_argument("--source", default=None, help="override [corpus] source: a folder of .txt, .jsonl or .parquet")
+    parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/corpus)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if an identical corpus exists")
+    args = parser.parse_args(argv)
+    try:
+        config = load_manifest(args.manifest, args.sets)
+        if args.source:
+            config.corpus.source = args.source
+        out = Path(args.out) if args.out else config.corpus_dir
+        if not args.force and corpus_is_current(config, out, config.corpus.source):
+            print(f"corpus: {out} is up to date")
+            return 0
+        build_corpus(config, out)
+    except (ConfigError, CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

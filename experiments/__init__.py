@@ -1,0 +1,1 @@
+"""Experiments on top of the stages: `make reproduce`, `make sweep`, short ablations."""

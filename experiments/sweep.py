@@ -1,0 +1,116 @@
+"""`make sweep`: several trainer configs over the same dumped shards, then one summary table.
+
+    python -m experiments.sweep --manifest PATH [--data DIR] [--out DIR] [--nproc N]
+
+The grid is the manifest's [sweep.train] table (key = [values]); every combination
+is one run, trained by the ordinary trainer under torchrun on the shards in --data.
+The generator is never called: the shards are only read (and checked against their
+manifest by the trainer). Output folder:
+    <run name>/manifest.toml, metrics.jsonl, curves.png, summary.json, checkpoints/
+    sweep.json, sweep.md        final validation metrics per config
+Rerunning resumes unfinished runs and skips finished ones.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from common.checkpoint import IncompatibleInputs
+from common.config import ConfigError, RunConfig, config_from_dict, config_to_dict, dump_toml, load_manifest
+from common.io import atomic_write_json, atomic_write_text
+from train.data import DataError, load_data_manifest
+
+METRICS = ("loss", "accuracy", "precision", "recall", "auc")
+
+
+def expand_grid(config: RunConfig) -> list[tuple[str, dict, RunConfig]]:
+    """(run name, the grid values, full config) for every combination of [sweep.train]."""
+    grid = config.sweep.train
+    if not grid:
+        raise ConfigError("the manifest has no [sweep.train] table (e.g. lr = [5e-4, 1e-3, 2e-3])")
+    keys = sorted(grid)
+    runs = []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        point = dict(zip(keys, values))
+        data = config_to_dict(config)
+        data["train"].update(point)
+        data["sweep"] = {"train": {}}
+        name = "-".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in point.items())
+        runs.append((name, point, config_from_dict(data)))  # validates every combination up front
+    return runs
+
+
+def run_one(run_dir: Path, config: RunConfig, data_dir: Path, nproc: int) -> int:
+    """Train one config with torchrun (resuming if the folder already holds checkpoints)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest = atomic_write_text(run_dir / "manifest.toml", dump_toml(config))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "train", "--manifest", str(manifest), "--data", str(data_dir), "--out", str(run_dir), "--resume"]
+    return subprocess.run(cmd).returncode
+
+
+def summary_table(rows: list[dict], grid_keys: list[str]) -> str:
+    head = grid_keys + ["steps", "status"] + [f"val {m}" for m in METRICS] + ["tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        end = r.get("end") or {}
+        cells = [str(r["grid"][k]) for k in grid_keys] + [str(r.get("steps", "-")), r["status"]]
+        cells += [f"{end[m]:.4f}" if m in end else "-" for m in METRICS]
+        cells.append(f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=print) -> list[dict]:
+    _, fingerprint = load_data_manifest(data_dir, config)  # no shards, no sweep: fail before any run
+    runs = expand_grid(config)
+    log(f"sweep: {len(runs)} configs over the shards in {data_dir} (data fingerprint {fingerprint[:12]})")
+    rows = []
+    for i, (name, point, run_config) in enumerate(runs):
+        run_dir = out_dir / name
+        summary_path = run_dir / "summary.json"
+        if summary_path.is_file():
+            log(f"sweep: [{i + 1}/{len(runs)}] {name} already finished")
+            code = 0
+        else:
+            log(f"sweep: [{i + 1}/{len(runs)}] {name} -> {run_dir}")
+            code = run_one(run_dir, run_config, data_dir, nproc)
+        summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.is_file() else {}
+        rows.append({"name": name, "grid": point, "run_dir": str(run_dir),
+                     "status": "done" if summary else f"failed (exit {code})", **summary})
+    best = [r for r in rows if r.get("end")]
+    best = max(best, key=lambda r: r["end"]["auc"])["name"] if best else None
+    grid_keys = sorted(config.sweep.train)
+    atomic_write_json(out_dir / "sweep.json", {"data_dir": str(data_dir), "data_fingerprint": fingerprint,
+                                               "grid": config.sweep.train, "best_by_val_auc": best, "runs": rows})
+    table = summary_table(rows, grid_keys)
+    atomic_write_text(out_dir / "sweep.md", f"# sweep over {data_dir}\n\nData fingerprint `{fingerprint[:16]}`, "
+                      f"same shards for every run; best by validation AUC: `{best}`.\n\n{table}\n")
+    log("\n" + table + f"\n\nsweep: best by validation AUC: {best}; {out_dir}/sweep.md, sweep.json")
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n")[0])
+    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
+    parser.add_argument("--out", default=None, help="sweep folder (default: WORK_DIR/sweeps/NAME)")
+    parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per run")
+    args = parser.parse_args(argv)
+    try:
+        config = load_manifest(args.manifest)
+        data_dir = Path(args.data) if args.data else config.epochs_dir
+        out_dir = Path(args.out) if args.out else Path(config.work_dir) / "sweeps" / config.name
+        rows = sweep(config, data_dir, out_dir, args.nproc)
+    except (ConfigError, DataError, IncompatibleInputs) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if all(r["status"] == "done" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

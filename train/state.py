@@ -1,0 +1,75 @@
+"""A run's checkpoint: built and restored here, in one place (docs/design.md, checkpoints).
+
+A checkpoint holds the model, optimizer and scheduler, the step (hence the data position:
+`rows_consumed` = step x batch size), every rank's RNG state, the resolved config, the data
+manifest's hash, and `Progress` (the counters and metric history the loop carries). Killed at
+any step and resumed, a run reproduces the uninterrupted run's per-step losses (bitwise on CPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
+from common.config import RunConfig, changed_keys, config_from_dict, config_to_dict, trajectory_config
+from common.distributed import gather_objects
+
+
+@dataclass
+class Progress:
+    """What the loop carries from step to step besides the model and optimizer."""
+    step: int = 0
+    history: dict = field(default_factory=dict)
+    """'start' / 'last' validation metrics and the temperature range consumed so far."""
+    nonfinite_total: int = 0
+    nonfinite_run: int = 0
+    """Non-finite losses in all and in a row (each one skipped its update)."""
+
+
+def save(ckpt_dir: Path, keep: int, progress: Progress, model, optimizer, scheduler, config: RunConfig,
+         manifest_hash: str, rank: int, world: int, device: torch.device) -> None:
+    """Collective (every rank calls it): gathers every rank's dropout stream, rank 0 writes."""
+    own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    rng_states = gather_objects(own, world)
+    if rank != 0:
+        return
+    save_checkpoint({
+        "step": progress.step, "rows_consumed": progress.step * config.train.batch_size,
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "rng": rng_states, "world_size": world, "config": config_to_dict(config),
+        "data_manifest_sha256": manifest_hash, "history": progress.history,
+        "nonfinite_total": progress.nonfinite_total, "nonfinite_run": progress.nonfinite_run,
+    }, ckpt_dir, keep)
+
+
+def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, manifest_hash: str, data_desc,
+            rank: int, world: int, device: torch.device) -> tuple[Path, Progress] | None:
+    """Load the newest valid checkpoint into model, optimizer and scheduler (and this rank's RNG when the
+    world size is the same); None if there is none. Refuses another data manifest, or a config that
+    differs in anything that changes the updates (`common.config.trajectory_config`)."""
+    found = latest_checkpoint(ckpt_dir)
+    if not found:
+        return None
+    path, state = found
+    if state["data_manifest_sha256"] != manifest_hash:
+        raise IncompatibleInputs(f"checkpoint {path} was trained on a data manifest with sha256 "
+                                 f"{state['data_manifest_sha256'][:12]}, {data_desc} has {manifest_hash[:12]}")
+    saved = trajectory_config(config_to_dict(config_from_dict(state["config"])))  # newer keys' defaults filled in
+    current = trajectory_config(config_to_dict(config))
+    if saved != current:
+        raise IncompatibleInputs(f"checkpoint {path} was made with another config ({', '.join(changed_keys(saved, current))} "
+                                 f"changed); use a new --out")
+    model.load_state_dict(state["model"])
+    # the step's kernel is build_optimizer's, not the checkpoint's: one saved before the fused step resumes fused
+    for saved_group, built in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
+        saved_group["fused"], saved_group["foreach"] = built["fused"], built["foreach"]
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if state["world_size"] == world:
+        cpu_state, cuda_state = state["rng"][rank]
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_state, device)
+    return path, Progress(state["step"], state["history"], state["nonfinite_total"], state["nonfinite_run"])

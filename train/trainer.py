@@ -1,0 +1,289 @@
+"""The Fast-ELECTRA trainer: RTD loss only, on the generator's shards (paper section 3:
+min_theta L_RTD(theta); the aux model costs nothing here). `train()` is the loop, top to bottom.
+
+Global batch b at step s = stream rows [s*b, (s+1)*b); rank r of W reads its contiguous b/W
+rows as `grad_accum` micro-batches. The loss is the mean over all non-pad tokens of the global
+batch, so W ranks give the same update as one. Checkpoints (`train/state.py`) hold everything
+needed to continue bitwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from common.checkpoint import AUX_FILE, latest_checkpoint
+from common.config import ConfigError, RunConfig, load_manifest, save_resolved
+from common.distributed import all_max, all_reduce, barrier, setup_distributed
+from common.io import atomic_write_json, atomic_write_text
+from common.model import ReplacedTokenDetector, count_parameters
+from common.optim import build_optimizer, build_scheduler
+from train import state
+from train.data import load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream, validation_stream
+from train.metrics import rtd_metrics
+from train.objectives import ElectraPair, electra_tensors, forward_losses, objective
+from train.plots import plot_curves
+
+# curves.png is redrawn after an evaluation at most this often (a redraw takes ~1 s of rank 0's time), and
+# always at the end of the run
+PLOT_INTERVAL_S = 60.0
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+@torch.no_grad()
+def evaluate(model, valid, device, autocast, batch_size: int = 64) -> dict:
+    """RTD metrics on all held-out rows (generated at T = 1)."""
+    model.eval()
+    logits, labels, masks = [], [], []
+    for start in range(0, valid.num_rows, batch_size):
+        batch = to_tensors(valid.rows(start, min(start + batch_size, valid.num_rows)))
+        with autocast:
+            out = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        logits.append(out.float().cpu().flatten())
+        labels.append(batch["labels"].flatten())
+        masks.append(batch["attention_mask"].flatten())
+    model.train()
+    return rtd_metrics(torch.cat(logits), torch.cat(labels), torch.cat(masks))
+
+
+def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
+    """(training stream, validation rows, vocabulary size, replaced-token prior, data key, data description)."""
+    objective_name = config.train.objective
+    if objective_name == "fast-offline":  # the product: shards written once by generate/
+        data_dir = Path(args.data) if args.data else config.epochs_dir
+        manifest, manifest_hash = load_data_manifest(data_dir, config)
+        return (training_stream(data_dir, manifest), validation_stream(data_dir, manifest), manifest["vocab_size"],
+                replaced_rate(manifest), manifest_hash, data_dir)
+    # fast-online: the same rows, corrupted in the loop by the frozen aux model; electra: by the generator
+    from train.online import online_streams
+    corpus_dir = Path(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    aux_path = Path(args.aux) if getattr(args, "aux", None) else config.aux_dir / AUX_FILE
+    stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, device.type,
+                                                              corrupt=objective_name == "fast-online")
+    prior = config.generate.mask_prob  # nearly every masked position is replaced (shards: ~0.99)
+    return stream, valid, vocab_size, prior, manifest_hash, f"{objective_name} from {corpus_dir} (validation rows by {aux_path})"
+
+
+def accumulate(ddp_model, batches: list[dict], device, autocast, world: int, electra: bool, electra_lambda: float):
+    """Forward and backward over this rank's micro-batches of one update (DDP syncs on the last).
+    Returns the global RTD loss per token, the generator's MLM loss and top-1 (electra) and the token count."""
+    local_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    local_masked = sum(int(b["masked_flags"].sum()) for b in batches) if electra else 0
+    global_tokens, global_masked = all_reduce([float(local_tokens), float(local_masked)], world)
+    loss_sum, mlm_sum, mlm_hits = 0.0, 0.0, 0.0
+    for i, batch in enumerate(batches):
+        sync = ddp_model.no_sync() if (world > 1 and i < len(batches) - 1) else contextlib.nullcontext()
+        with sync, autocast:
+            loss, mlm, hits = forward_losses(ddp_model, batch, device, electra)
+            # DDP averages gradients over ranks, so divide by global / W: the result is d(sum / global_tokens).
+            objective(loss, mlm, global_tokens / world, global_masked / world, electra_lambda).backward()
+        loss_sum += loss.item()
+        if electra:
+            mlm_sum, mlm_hits = mlm_sum + mlm.item(), mlm_hits + float(hits)
+    loss_sum, mlm_sum, mlm_hits = all_reduce([loss_sum, mlm_sum, mlm_hits], world)
+    extra = {"generator_mlm_loss": mlm_sum / global_masked, "generator_top1": mlm_hits / global_masked} if electra else {}
+    return loss_sum / global_tokens, extra, global_tokens
+
+
+def build_model(config: RunConfig, vocab_size: int, prior: float, device: torch.device) -> tuple:
+    """(the model to train, the detector that validation scores): the same initial weights on every rank."""
+    torch.manual_seed(config.train.seed)
+    if config.train.objective == "electra":  # generator + discriminator, embeddings shared
+        model = ElectraPair(config.model, vocab_size).to(device)
+        detector = model.discriminator
+    else:
+        model = detector = ReplacedTokenDetector(config.model, vocab_size).to(device)
+    detector.head.start_at_base_rate(prior)  # "init well": step 0 = majority baseline
+    return model, detector
+
+
+def open_metrics(run_dir: Path, config: RunConfig, step: int) -> Path:
+    """Rank 0: the run folder with the resolved config, metrics.jsonl cut back to the resumed step."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(config, run_dir)
+    path = run_dir / "metrics.jsonl"
+    kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] <= step] if path.is_file() and step else []
+    atomic_write_text(path, "".join(l + "\n" for l in kept))
+    return path
+
+
+def nonfinite_error(progress, batch_size: int, ckpt_dir: Path) -> FloatingPointError:
+    step, last = progress.step, latest_checkpoint(ckpt_dir)
+    return FloatingPointError(f"{progress.nonfinite_run} non-finite losses in a row, last at step {step} "
+                              f"(stream rows {step * batch_size}..{(step + 1) * batch_size - 1}); "
+                              f"last good checkpoint: {last[0] if last else 'none'}")
+
+
+def train(args, after_step=None) -> dict:
+    """`args`: manifest, data, out, resume (and optionally sets, corpus, aux, deadline). `after_step(step)`
+    is called after every update (the tests' fault injection)."""
+    rank, world, device = setup_distributed()
+    config = load_manifest(args.manifest, getattr(args, "sets", ()))
+    tc = config.train
+    run_dir = Path(args.out) if args.out else config.run_dir
+    if tc.batch_size % (world * tc.grad_accum):
+        raise ConfigError(f"train.batch_size {tc.batch_size} must be divisible by ranks x grad_accum "
+                          f"= {world} x {tc.grad_accum}")
+    stream, valid, vocab_size, prior, manifest_hash, data_desc = open_streams(config, args, device)
+    electra = tc.objective == "electra"  # `detector` below is what validation scores
+    # 32 rows x 128 tokens = 4096 tokens per update on the tiny preset.
+    total_steps = stream.num_rows // tc.batch_size
+    if tc.max_steps:
+        total_steps = min(total_steps, tc.max_steps)
+    dropped_rows = stream.num_rows - total_steps * tc.batch_size
+    micro = tc.batch_size // (world * tc.grad_accum)
+
+    model, detector = build_model(config, vocab_size, prior, device)
+    optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
+                                tc.embed_lr_scale)
+    scheduler = build_scheduler(optimizer, tc.warmup_steps, total_steps)
+    # A non-finite update is skipped, yet the schedule moves on with the step (it indexes rows, the lr and the
+    # temperature); torch would warn about the call order if the very first update were the skipped one.
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    torch.manual_seed(tc.seed + 1000 + rank)  # dropout stream of this rank
+
+    ckpt_dir, progress = run_dir / "checkpoints", state.Progress()
+    if args.resume and (restored := state.restore(ckpt_dir, model, optimizer, scheduler, config, manifest_hash,
+                                                  data_desc, rank, world, device)):
+        path, progress = restored
+        if rank == 0:
+            print(f"train: resumed from {path} at step {progress.step}")
+    elif ckpt_dir.is_dir() and any(ckpt_dir.iterdir()) and not args.resume:
+        raise ConfigError(f"{run_dir} already holds checkpoints; pass --resume or choose another --out")
+
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model  # the one place
+    is_main, history = rank == 0, progress.history
+    if is_main:
+        metrics_path = open_metrics(run_dir, config, progress.step)
+        print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
+              f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {tc.grad_accum} accum); "
+              f"{dropped_rows} tail rows dropped; data {data_desc}")
+        if "start" not in history:
+            history["start"] = {"step": 0, **evaluate(detector, valid, device, autocast)}
+    barrier(world)
+
+    def read_step(s: int) -> dict:
+        """This rank's rows of step `s` (pure reading: the same rows whenever it runs)."""
+        return stream.rows(*rank_slice(s, tc.batch_size, rank, world)) if s < total_steps else {}
+
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")  # fetches step s+1 during step s
+    next_rows = reader.submit(read_step, progress.step)
+    to_batch = partial(electra_tensors, seed=config.seed, mask_prob=config.generate.mask_prob) if electra else to_tensors
+    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", disable=not is_main,
+               dynamic_ncols=True)
+    t_start, tokens_seen, temps, last_plot = time.time(), 0, [math.inf, -math.inf], -math.inf
+    deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
+    while progress.step < total_steps and not deadline_hit:
+        step = progress.step
+        rows = next_rows.result()
+        next_rows = reader.submit(read_step, step + 1)
+        neg_t_min, t_max = all_max([-float(rows["temperature"].min()), float(rows["temperature"].max())], world)
+        temps = [min(temps[0], -neg_t_min), max(temps[1], t_max)]
+        consumed = history.setdefault("temperature_consumed", [math.inf, -math.inf])
+        history["temperature_consumed"] = [min(consumed[0], temps[0]), max(consumed[1], temps[1])]
+        batches = [to_batch({k: v[i * micro:(i + 1) * micro] for k, v in rows.items()}) for i in range(tc.grad_accum)]
+        step_loss, extra, global_tokens = accumulate(ddp_model, batches, device, autocast, world, electra,
+                                                     tc.electra_lambda)
+        if math.isfinite(step_loss):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm))
+            optimizer.step()
+            progress.nonfinite_run = 0
+        else:  # skip the update; stop after too many in a row
+            grad_norm = float("nan")
+            progress.nonfinite_total += 1
+            progress.nonfinite_run += 1
+            if progress.nonfinite_run >= tc.max_nonfinite_steps:
+                bar.close()
+                reader.shutdown(cancel_futures=True)
+                if is_main:
+                    plot_curves(run_dir)  # what was logged, for the run someone will want to look at
+                raise nonfinite_error(progress, tc.batch_size, ckpt_dir)
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        progress.step = step = step + 1
+        if deadline:  # a wall-clock budget (make reproduce): every rank stops after the same update
+            deadline_hit = all_max([float(time.time() >= deadline)], world)[0] > 0 and step < total_steps
+        final = step == total_steps or deadline_hit
+        tokens_seen += global_tokens
+        tokens_per_s = tokens_seen / (time.time() - t_start)
+        bar.update(1)
+        if is_main:
+            bar.set_postfix(loss=f"{step_loss:.4f}", T=f"{temps[1]:.3f}", tok_s=f"{tokens_per_s:.0f}")
+        record = None
+        if step % tc.log_every == 0 or final:
+            record = {"step": step, "time": time.time(), "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+                      "temperature_min": temps[0], "temperature_max": temps[1], "tokens_per_s": tokens_per_s,
+                      "peak_memory_mb": peak_memory_mb(device), "nonfinite_steps": progress.nonfinite_total,
+                      "rows": [step * tc.batch_size - tc.batch_size, step * tc.batch_size], **extra}
+            temps = [math.inf, -math.inf]
+        if step % tc.eval_every == 0 or final:
+            if is_main:
+                evaluation = evaluate(detector, valid, device, autocast)
+                history["last"] = {"step": step, **evaluation}
+                record = {**(record or {"step": step}), **{f"val_{k}": v for k, v in evaluation.items()}}
+            barrier(world)
+        if is_main and record:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if "val_loss" in record and time.time() - last_plot >= PLOT_INTERVAL_S:
+                plot_curves(run_dir)
+                last_plot = time.time()
+        if step % tc.ckpt_every == 0 or final:
+            state.save(ckpt_dir, tc.keep_checkpoints, progress, model, optimizer, scheduler, config, manifest_hash,
+                       rank, world, device)
+        if after_step:
+            after_step(step)
+    bar.close()
+    reader.shutdown()
+    elapsed = time.time() - t_start
+    summary = {}
+    if is_main:
+        if deadline_hit:
+            print(f"train: stopped by --deadline after step {progress.step} of {total_steps}")
+        summary = write_summary(run_dir, history, progress.step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
+                                progress.nonfinite_total, device, planned_steps=total_steps)
+    barrier(world)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return summary
+
+
+def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
+                  tokens_per_s: float, nonfinite: int, device, planned_steps: int) -> dict:
+    start, end = history["start"], history.get("last", history["start"])
+    consumed = history.get("temperature_consumed", [math.nan, math.nan])
+    plot_curves(run_dir)
+    summary = {"steps": total_steps, "planned_steps": planned_steps, "dropped_tail_rows": dropped_rows, "start": start,
+               "end": end, "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
+               "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir)}
+    atomic_write_json(run_dir / "summary.json", summary)
+    lines = [
+        "",
+        f"Fast-ELECTRA run: {total_steps} steps on {device}, {tokens_per_s:.0f} tokens/s (this session)",
+        f"  validation (held-out rows, T = 1)   step {start['step']:>6}   step {end['step']:>6}",
+        f"    RTD loss                          {start['loss']:>11.4f}   {end['loss']:>11.4f}",
+        f"    accuracy                          {start['accuracy']:>11.4f}   {end['accuracy']:>11.4f}",
+        f"    recall (replaced tokens)          {start['recall']:>11.4f}   {end['recall']:>11.4f}",
+        f"    precision (replaced tokens)       {start['precision']:>11.4f}   {end['precision']:>11.4f}",
+        f"    AUC                               {start['auc']:>11.4f}   {end['auc']:>11.4f}",
+        f"  temperatures consumed: {consumed[0]:.4f} .. {consumed[1]:.4f}",
+        f"  outputs: {run_dir}/metrics.jsonl, curves.png, summary.json, checkpoints/",
+    ]
+    print("\n".join(lines))
+    return summary
