@@ -19,13 +19,6 @@ from common.tokenizer import MASK_ID, SPECIAL_IDS
 VALID_EPOCH = 1_000_000  # the "epoch" whose seeds make the held-out validation rows
 
 
-def temperature_at(u, t0: float, tau: float):
-    """Paper section 3, eq. (exp-decay): T(u) = 1 + (T0 - 1) exp(-u / tau), u = fraction of training."""
-    if isinstance(u, np.ndarray):
-        return 1.0 + (t0 - 1.0) * np.exp(-u / tau)
-    return 1.0 + (t0 - 1.0) * math.exp(-u / tau)
-
-
 def exponential_decay(u, gamma_max: float, tau: float):
     """Paper section 3, eq. (exp-decay), as a strength: gamma(u) = gamma_max exp(-u / tau)."""
     return gamma_max * np.exp(-np.asarray(u, dtype=np.float64) / tau)

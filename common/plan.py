@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import ConfigError, GenerateConfig
+from common.config import GenerateConfig
 from common.curriculum import VALID_EPOCH, row_fraction, strength_at
 
 
@@ -73,14 +73,6 @@ def epoch_curriculum(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, 
         return 1.0 + gammas, gammas
     gammas = strength_at(u, cfg.schedule, cfg.gamma_max, cfg.tau) if has_schedule(cfg) else np.zeros(len(u))
     return np.ones(len(u)), gammas
-
-
-def epoch_temperatures(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int) -> np.ndarray:
-    """Temperature of each row, for callers that corrupt with temperature scaling only (fast-online)."""
-    if not scales_temperature(cfg):
-        raise ConfigError(f"this path corrupts by temperature scaling only; generate.distribution = "
-                          f"{cfg.distribution!r}, augmentation = {cfg.augmentation!r} needs the generator's shards")
-    return epoch_curriculum(cfg, epoch, stream_index, total_rows)[0]
 
 
 def curriculum_record(cfg: GenerateConfig) -> dict:

@@ -1,6 +1,7 @@
 """Shared tiny fixtures: a corpus the tests write themselves, a tiny config, a 2-layer aux."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -105,3 +106,11 @@ def train_with(built, manifest_path, tmp_path, env, **train):
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def temperature_at(u, t0: float, tau: float):
+    """Paper section 3, eq. (exp-decay), written out independently of the code under test:
+    T(u) = 1 + (T0 - 1) exp(-u / tau), u = fraction of training."""
+    if isinstance(u, np.ndarray):
+        return 1.0 + (t0 - 1.0) * np.exp(-u / tau)
+    return 1.0 + (t0 - 1.0) * math.exp(-u / tau)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from common.curriculum import (choose_masked_positions, num_to_mask, row_fraction, row_rng, rtd_labels,
-                               sample_replacements, temperature_at)
+                               sample_replacements)
+from tests.conftest import temperature_at
 from common.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_IDS, UNK_ID
 
 

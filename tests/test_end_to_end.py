@@ -9,7 +9,7 @@ import pytest
 
 from common.config import dump_toml
 from common.corpus import load_split
-from common.curriculum import temperature_at
+from tests.conftest import temperature_at
 from common.io import sha256_file
 from common.shards import SHARD_SCHEMA, list_column, read_parquet
 from tests.conftest import ROOT

@@ -8,7 +8,8 @@ import ray
 from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs
 from common.config import GenerateConfig
 from common.corpus import load_split
-from common.curriculum import num_to_mask, temperature_at
+from common.curriculum import num_to_mask
+from tests.conftest import temperature_at
 from common.sources import CorpusError
 from common.tokenizer import SPECIAL_IDS
 from generate.generator import OutputConflict, generate

@@ -106,3 +106,17 @@ def test_a_missing_module_or_target_is_reported():
     assert not runnable("generate.nothing_here") and not runnable("common")  # common has no __main__
     assert runnable("train") and runnable("finetune.rotten_tomatoes")
     assert "no-such-target" not in make_targets()
+
+
+OLD_NAMES = {"common.corpus": "corpus", "train.aux": "auxiliary", "train.finetune": "finetune",
+             "train.rotten_tomatoes": "finetune.rotten_tomatoes", "train.sweep": "experiments.sweep",
+             "train.reproduce": "experiments.reproduce"}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_NAMES))
+def test_an_old_module_name_runs_the_new_module(old):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", old, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"python -m {OLD_NAMES[old]}" in result.stdout.splitlines()[0]

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, GenerateConfig
-from common.curriculum import row_fraction, strength_at, temperature_at
-from common.plan import epoch_curriculum, epoch_temperatures, plan_tasks
+from common.curriculum import row_fraction, strength_at
+from tests.conftest import temperature_at
+from common.plan import epoch_curriculum, plan_tasks
 
 U = np.linspace(0.0, 1.0, 1001)
 
@@ -42,9 +43,9 @@ def test_temperature_scaling_plan_is_the_paper_equation_bitwise():
     assert np.array_equal(temps, temperature_at(row_fraction(stream, 300), 2.0, 0.1))
     assert np.allclose(gammas, temps - 1.0, rtol=0, atol=1e-15)
     poly = GenerateConfig(t0=3.0, tau=2.0, schedule="polynomial")
-    assert np.allclose(epoch_temperatures(poly, 0, stream, 300), 1.0 + 2.0 * (1 - stream / 300) ** 2)
+    assert np.allclose(epoch_curriculum(poly, 0, stream, 300)[0], 1.0 + 2.0 * (1 - stream / 300) ** 2)
     fixed = GenerateConfig(t0=1.0, schedule="constant")
-    assert np.all(epoch_temperatures(fixed, 0, stream, 300) == 1.0)
+    assert np.all(epoch_curriculum(fixed, 0, stream, 300)[0] == 1.0)
 
 
 def test_other_curricula_schedule_gamma_at_temperature_one():
@@ -57,8 +58,6 @@ def test_other_curricula_schedule_gamma_at_temperature_one():
     assert gammas[0] == 0.3 and set(gammas.tolist()) == {0.3, 0.15}  # u < 1 for every row
     valid = [t for t in tasks if t.split == "valid"]
     assert all(t.gammas is None and (t.temperatures == 1.0).all() for t in valid)  # the aux model at T = 1
-    with pytest.raises(ConfigError, match="temperature scaling only"):
-        epoch_temperatures(cfg, 0, np.arange(4), 4)  # fast-online cannot follow a dropout curriculum
     none = GenerateConfig(distribution="smoothed_one_hot")
     temps, gammas = epoch_curriculum(none, 0, np.arange(4), 4)
     assert (temps == 1.0).all() and (gammas == 0.0).all()

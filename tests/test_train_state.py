@@ -1,0 +1,82 @@
+"""train/state.py: a checkpoint saved and restored in one place; resume compares only the settings that
+change the updates, so editing [sweep], [reproduce] or the logging intervals does not stop `make train`."""
+import pytest
+import torch
+
+from common.checkpoint import IncompatibleInputs
+from common.config import ConfigError, dump_toml, load_manifest, trajectory_config, config_to_dict
+from common.model import ReplacedTokenDetector
+from common.optim import build_optimizer, build_scheduler
+from tests.conftest import tiny_config
+from train import state
+
+
+def _parts(config):
+    torch.manual_seed(0)
+    model = ReplacedTokenDetector(config.model, 320)
+    optimizer = build_optimizer(model, config.train.lr, config.train.betas, config.train.eps,
+                                config.train.weight_decay)
+    return model, optimizer, build_scheduler(optimizer, 2, 10)
+
+
+def _saved_run(tmp_path):
+    config = tiny_config(tmp_path)
+    model, optimizer, scheduler = _parts(config)
+    model(torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.bool)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    progress = state.Progress(step=1, history={"start": {"step": 0}}, nonfinite_total=2, nonfinite_run=0)
+    state.save(tmp_path / "ckpt", 2, progress, model, optimizer, scheduler, config, "data-key", 0, 1,
+               torch.device("cpu"))
+    return config, model
+
+
+def _restore(tmp_path, config, key="data-key"):
+    model, optimizer, scheduler = _parts(config)
+    return state.restore(tmp_path / "ckpt", model, optimizer, scheduler, config, key, "DATA", 0, 1,
+                         torch.device("cpu")), model
+
+
+def test_restore_returns_the_saved_weights_and_progress(tmp_path):
+    config, trained = _saved_run(tmp_path)
+    (path, progress), model = _restore(tmp_path, config)
+    assert path.name == "step-00000001.pt"
+    assert progress == state.Progress(1, {"start": {"step": 0}}, 2, 0)
+    for a, b in zip(model.state_dict().values(), trained.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_resume_ignores_settings_that_do_not_change_the_updates(tmp_path):
+    config, _ = _saved_run(tmp_path)
+    config.sweep.train = {"lr": [1e-4, 1e-3]}
+    config.reproduce.budget_s = 60.0
+    config.train.eval_every, config.train.log_every, config.train.ckpt_every = 7, 3, 9
+    config.work_dir = str(tmp_path / "elsewhere")
+    assert _restore(tmp_path, config)[0] is not None
+
+
+def test_resume_refuses_a_changed_trajectory_naming_the_keys(tmp_path):
+    config, _ = _saved_run(tmp_path)
+    config.train.lr, config.generate.t0 = 5e-3, 3.0
+    with pytest.raises(IncompatibleInputs, match=r"generate\.t0, train\.lr changed"):
+        _restore(tmp_path, config)
+    with pytest.raises(IncompatibleInputs, match="data manifest"):
+        _restore(tmp_path, tiny_config(tmp_path), key="other-data")
+
+
+def test_trajectory_config_keeps_what_decides_the_updates(tmp_path):
+    kept = trajectory_config(config_to_dict(tiny_config(tmp_path)))
+    assert "sweep" not in kept and "reproduce" not in kept and "work_dir" not in kept
+    assert {"lr", "max_steps", "seed", "batch_size"} <= set(kept["train"]) and "eval_every" not in kept["train"]
+    assert {"model", "generate", "corpus", "tokenizer", "aux", "seed"} <= set(kept)
+
+
+def test_set_overrides_any_manifest_key_and_refuses_unknown_ones(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text(dump_toml(tiny_config(tmp_path)))
+    config = load_manifest(path, ["train.lr=2e-3", "generate.schedule=constant", "sweep.train.lr=[1e-4, 2e-4]"])
+    assert (config.train.lr, config.generate.schedule, config.sweep.train) == (2e-3, "constant", {"lr": [1e-4, 2e-4]})
+    with pytest.raises(ConfigError, match="train.no_such_key"):
+        load_manifest(path, ["train.no_such_key=1"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_manifest(path, ["train.lr"])
