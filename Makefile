@@ -24,11 +24,11 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
+.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-corpus bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
 
 help:
 	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make reproduce"
-	@echo "make plots | make ablations | make bench | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
+	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) BUDGET=$(BUDGET)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 corpus: setup
-	$(PY) -m corpus --manifest $(MANIFEST) $(if $(CORPUS),--source $(CORPUS))
+	$(PY) -m corpus --manifest $(MANIFEST) $(if $(CORPUS),--source $(CORPUS)) $(if $(WORKERS),--workers $(WORKERS))
 
 aux: corpus
 	$(PY) -m auxiliary --manifest $(MANIFEST)
@@ -88,7 +88,7 @@ reproduce: setup
 	$(PY) -m experiments.reproduce --manifest manifests/reproduce.toml $(if $(BUDGET),--budget $(BUDGET))
 
 # All benchmarks (ratios measured in one run each; results in bench/results/).
-bench: bench-generate bench-train bench-efficiency bench-flops
+bench: bench-corpus bench-generate bench-train bench-efficiency bench-flops
 
 bench-generate: generate-epochs
 	$(PY) -m bench.generate --manifest $(MANIFEST) --data $(DATA_DIR)
@@ -98,6 +98,9 @@ bench-train: generate-epochs
 
 bench-efficiency: generate-epochs
 	$(PY) -m bench.efficiency --manifest $(MANIFEST) --data $(DATA_DIR) --vocab $(BENCH_VOCAB)
+
+bench-corpus: setup
+	$(PY) -m bench.corpus
 
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md

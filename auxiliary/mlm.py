@@ -20,7 +20,7 @@ from common.batching import attention_mask, pad_rows
 from common.checkpoint import AUX_FILE, read_aux_meta, save_aux
 from common.io import sha256_file
 from common.config import RunConfig, save_resolved
-from common.corpus import load_corpus_meta, load_split
+from common.corpus import SplitRows, load_corpus_meta
 from common.sources import CorpusError
 from common.curriculum import mask_for_mlm, row_rng
 from common.model import MaskedLM, count_parameters
@@ -61,8 +61,9 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> 
     cfg = config.aux
     meta = load_corpus_meta(corpus_dir)
     tok = Tokenizer(Path(corpus_dir) / "tokenizer.model")
-    train_rows = load_split(corpus_dir, "train")
-    valid_rows = load_split(corpus_dir, "valid")[:256]
+    train_rows = SplitRows(corpus_dir, "train")  # memory-mapped: flat memory in corpus size
+    valid = SplitRows(corpus_dir, "valid")
+    valid_rows = [valid[i] for i in range(min(256, len(valid)))]
     torch.manual_seed(config.seed)
     model = MaskedLM(config.model, tok.vocab_size, cfg.num_layers)
     optimizer = build_optimizer(model, cfg.lr, config.train.betas, config.train.eps, config.train.weight_decay,

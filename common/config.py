@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 @dataclass
 class CorpusConfig:
     source: str = "shakespeare"
-    """'shakespeare' (the embedded default) or a folder of .txt, a .jsonl or a Parquet file."""
+    """'shakespeare' (the embedded default), or a file or folder tree of .txt(.gz), .jsonl(.gz), .parquet."""
     text_column: str = "text"
     """Field holding the text in .jsonl / Parquet sources."""
     max_seq_len: int = 128
@@ -36,15 +36,17 @@ class CorpusConfig:
     min_seq_len: int = 16
     """A document's last chunk shorter than this is dropped."""
     valid_fraction: float = 0.05
-    """Fraction of documents held out for validation (at least one document)."""
-    rows_per_part: int = 8192
-    """Rows per Parquet part of the packed corpus."""
+    """Fraction of documents held out for validation, decided by each document's hash (at least one)."""
+    unit_mb: float = 8.0
+    """Source megabytes per work unit: the unit of parallel work, of resume, and one part file per split."""
 
     def __post_init__(self):
         if self.max_seq_len < 8:
             raise ConfigError(f"corpus.max_seq_len must be >= 8, got {self.max_seq_len}")
         if not 2 <= self.min_seq_len <= self.max_seq_len:
             raise ConfigError(f"corpus.min_seq_len must be in [2, max_seq_len], got {self.min_seq_len}")
+        if not self.unit_mb > 0:
+            raise ConfigError(f"corpus.unit_mb must be > 0, got {self.unit_mb}")
         if not 0.0 < self.valid_fraction < 0.5:
             raise ConfigError(f"corpus.valid_fraction must be in (0, 0.5), got {self.valid_fraction}")
 
@@ -119,8 +121,9 @@ SCHEDULES = ("exponential", "constant", "polynomial", "stepwise")
 
 @dataclass
 class GenerateConfig:
-    epochs: int = 2
-    """Epochs of corrupted data to write."""
+    epochs: int = 0
+    """Epochs of corrupted data to write; 0 = as many as train.max_steps x train.batch_size rows need
+    (each epoch a permutation of the corpus rows, the last one partial)."""
     rows_per_epoch: int = 0
     """Rows per epoch: 0 = the whole training split; N = a seeded sample of N rows."""
     rows_per_shard: int = 512
@@ -159,8 +162,8 @@ class GenerateConfig:
     """Smoothed one-hot: mass spread evenly over the other tokens (paper section 5.1: 0.35)."""
 
     def __post_init__(self):
-        if self.epochs < 1:
-            raise ConfigError(f"generate.epochs must be >= 1, got {self.epochs}")
+        if self.epochs < 0:
+            raise ConfigError(f"generate.epochs must be >= 0, got {self.epochs}")
         if self.rows_per_epoch < 0 or self.rows_per_shard < 1 or self.batch_tokens < 1:
             raise ConfigError("generate.rows_per_epoch >= 0, rows_per_shard >= 1, batch_tokens >= 1")
         if not 0.0 < self.mask_prob < 1.0:
@@ -227,6 +230,8 @@ class TrainConfig:
     """Checkpoint every N updates (and at the end)."""
     keep_checkpoints: int = 3
     """Keep the newest K checkpoints."""
+    allow_short_stream: bool = False
+    """Train on a stream shorter than max_steps x batch_size rows (fewer steps) instead of refusing it."""
     max_nonfinite_steps: int = 5
     """Stop the run after this many non-finite losses in a row (each one skips its update)."""
     seed: int = 0
@@ -490,7 +495,8 @@ def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
 # evaluates and checkpoints, and the tables of other commands (`make sweep`, `make reproduce`).
 # Resume compares everything else.
 NOT_TRAJECTORY = ("name", "work_dir", "shared_dir", "sweep", "reproduce")
-NOT_TRAJECTORY_TRAIN = ("eval_every", "log_every", "ckpt_every", "keep_checkpoints", "max_nonfinite_steps")
+NOT_TRAJECTORY_TRAIN = ("eval_every", "log_every", "ckpt_every", "keep_checkpoints", "max_nonfinite_steps",
+                        "allow_short_stream")
 
 
 def trajectory_config(data: dict) -> dict:

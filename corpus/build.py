@@ -1,11 +1,25 @@
-"""`make corpus`: raw text -> tokenizer + packed sequences in Parquet, split by document.
+"""`make corpus`: raw text -> tokenizer + packed sequences, streamed and parallel on Ray.
 
-Output folder (published atomically: built under a temporary name, renamed at the end): see
-`common/corpus.py`, which reads it. Paper appendix A: sequences respect document boundaries;
-special tokens are fixed.
+The source is cut into work units (`common.sources.work_units`) and read twice, each time by
+Ray workers unit by unit, so memory does not grow with the corpus:
+1. scan: each document's keyed hash (exact duplicates, and its train / validation split) and a
+   seeded sample of paragraphs for the tokenizer, in proportion to the unit's bytes;
+2. the driver drops every document whose hash an earlier one had, trains the tokenizer on the
+   bounded sample, and numbers the documents;
+3. pack: each worker tokenizes its unit and packs it into its own part files per split (Parquet
+   plus the memory-mappable token arrays the generator's actors read).
+Everything is built in a staging folder next to the output: a killed build resumes there and
+redoes only missing or damaged parts; `corpus.json` is written last and the folder replaces the
+old corpus only when complete. A part's bytes depend on its unit, the tokenizer and the config,
+never on the number of workers. Paper appendix A: sequences respect document boundaries.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -14,11 +28,17 @@ import numpy as np
 import pyarrow as pa
 
 from common.config import RunConfig, config_to_dict, dump_toml
-from common.corpus import CORPUS_META, load_corpus_meta, term_counts
-from common.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
-from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, int_lists, write_parquet
-from common.sources import CorpusError, Document, paragraphs, read_source
+from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
+from common.io import atomic_path, atomic_write_json, atomic_write_text, remove_stale_tmp, sha256_file
+from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, write_parquet
+from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
+                            source_files, work_units)
 from common.tokenizer import CLS_ID, SEP_ID, Tokenizer, train_tokenizer
+
+SPLITS = ("train", "valid")
+MAX_PARAGRAPH_CHARS = 8192  # a tokenizer sample line longer than this is cut (SentencePiece skips long ones)
+# Fault injection for tests: seconds to sleep before packing each unit, so a build can be killed halfway.
+SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_UNIT"
 
 
 def pack_document(token_ids: list[int], max_seq_len: int, min_seq_len: int) -> list[list[int]]:
@@ -34,116 +54,352 @@ def pack_document(token_ids: list[int], max_seq_len: int, min_seq_len: int) -> l
     return rows
 
 
-def split_documents(num_docs: int, valid_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of held-out documents: a seeded choice of round(fraction * n), at least one."""
-    if num_docs < 2:
-        raise CorpusError(f"the corpus has {num_docs} document(s); at least 2 are needed to hold one out")
-    num_valid = max(1, round(valid_fraction * num_docs))
-    rng = np.random.default_rng([seed, 0x5E1])
-    mask = np.zeros(num_docs, dtype=bool)
-    mask[rng.choice(num_docs, size=num_valid, replace=False)] = True
-    return mask
+def is_valid(doc_hash: int, valid_fraction: float) -> bool:
+    """A document is held out when its hash falls in the first `valid_fraction` of the hash range."""
+    return doc_hash < valid_fraction * 2.0**64
 
 
-def tokenizer_lines(docs: list[Document], max_lines: int, seed: int) -> list[str]:
-    """A seeded sample of paragraphs to train the tokenizer on."""
-    lines = [p[:8192] for d in docs for p in paragraphs(d.text)]
-    if len(lines) > max_lines:
-        rng = np.random.default_rng([seed, 0x70C])
-        lines = [lines[i] for i in sorted(rng.choice(len(lines), size=max_lines, replace=False))]
-    return lines
+def build_key(config: RunConfig, files: list[SourceFile]) -> str:
+    """What a corpus's bytes depend on: every source file (name, size, modification time), the
+    [corpus] and [tokenizer] settings, the seed and the format."""
+    blob = {"format": CORPUS_FORMAT, "files": [[f.name, f.size, f.mtime_ns] for f in files],
+            "corpus": {k: v for k, v in config_to_dict(config)["corpus"].items() if k != "source"},
+            "tokenizer": config_to_dict(config)["tokenizer"], "seed": config.seed}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
-def _write_split(out: Path, split: str, rows: list[tuple[int, list[int]]], rows_per_part: int) -> dict:
-    parts = []
-    for part, start in enumerate(range(0, max(len(rows), 1), rows_per_part)):
-        chunk = rows[start:start + rows_per_part]
-        columns = {
-            "row_id": pa.array(np.arange(start, start + len(chunk), dtype=np.int64)),
-            "doc_id": pa.array(np.array([d for d, _ in chunk], dtype=np.int32)),
-            "input_ids": int_lists([np.asarray(ids, dtype=np.int32) for _, ids in chunk], pa.int32()),
-        }
-        path = out / split / f"part-{part:05d}.parquet"
-        info = write_parquet(path, columns, CORPUS_SCHEMA)
-        parts.append({"path": f"{split}/{path.name}", "rows": len(chunk), **info})
-    flat = _write_flat(out, split, [ids for _, ids in rows])
-    return {"rows": len(rows), "tokens": int(sum(len(ids) for _, ids in rows)), "parts": parts, "flat": flat}
+# --- the two passes over a unit (run in Ray workers; pure functions of their arguments) ---------
+
+def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float, sample_lines: int) -> dict:
+    """Pass 1: every document's hash and split, and a seeded reservoir sample of `sample_lines`
+    paragraphs of its training documents, as (document index, text)."""
+    rng = random.Random(hash((seed, unit.index, 0x5CA)))  # Python ints hash the same in every process
+    hashes, sample, seen = [], [], 0
+    for i, doc in enumerate(read_unit(unit, text_column)):
+        h = document_hash(doc.text, seed)
+        hashes.append(h)
+        if is_valid(h, valid_fraction):
+            continue
+        for k, block in enumerate(blocks(doc.text)):  # whitespace is collapsed for the chosen ones only
+            seen += 1
+            if len(sample) < sample_lines:
+                sample.append((i, k, block))
+            elif (j := rng.randrange(seen)) < sample_lines:
+                sample[j] = (i, k, block)
+    sample.sort(key=lambda entry: entry[:2])  # document order
+    sample = [(i, k, " ".join(block.split())[:MAX_PARAGRAPH_CHARS]) for i, k, block in sample]
+    sample = [entry for entry in sample if entry[2]]
+    return {"unit": unit.index, "hashes": np.asarray(hashes, dtype=np.uint64), "sample": sample}
 
 
-def _write_flat(out: Path, split: str, rows: list[list[int]]) -> dict:
-    """All rows of a split as one int32 token array plus int64 row offsets (.npy, memory-mappable)."""
+def pack_tokens(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[np.ndarray]:
+    """`pack_document` on an int32 array: the rows as arrays."""
+    body = max_seq_len - 2
+    rows = []
+    for start in range(0, len(ids), body):
+        piece = ids[start:start + body]
+        if len(piece) + 2 < min_seq_len:
+            break
+        row = np.empty(len(piece) + 2, dtype=np.int32)
+        row[0], row[1:-1], row[-1] = CLS_ID, piece, SEP_ID
+        rows.append(row)
+    return rows
+
+
+def _write_part(out: Path, split: str, unit: int, rows: list[np.ndarray], doc_ids: list[int]) -> dict:
+    """One unit's rows of one split: a Parquet part and the same rows flat (int32 tokens, int64 offsets)."""
+    name = f"{split}/part-{unit:05d}"
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in rows], out=offsets[1:])
-    tokens = np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
-    files = {}
+    tokens = np.concatenate(rows)
+    columns = {"row_id": pa.array(np.arange(len(rows), dtype=np.int64)),
+               "doc_id": pa.array(np.asarray(doc_ids, dtype=np.int32)),
+               "input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))}
+    info = write_parquet(out / f"{name}.parquet", columns, CORPUS_SCHEMA)
+    flat = {}
     for kind, array in (("tokens", tokens), ("offsets", offsets)):
-        path = out / f"{split}.{kind}.npy"
+        path = out / f"{name}.{kind}.npy"
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
                 np.save(f, array)
-        files[kind] = {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    return files
+        flat[kind] = {"path": f"{name}.{kind}.npy", "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return {"path": f"{name}.parquet", "rows": len(rows), "tokens": int(offsets[-1]), **info, "flat": flat}
 
 
-def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = None, log=print) -> Path:
-    """Build the corpus folder; nothing is visible under `out_dir` unless it all succeeds."""
+def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, valid: np.ndarray,
+              doc_id_start: int, max_seq_len: int, min_seq_len: int) -> dict:
+    """Pass 2: tokenize the unit's kept documents and write its part files (one per non-empty split)."""
+    time.sleep(float(os.environ.get(SLOW_ENV, "0")))
+    out = Path(out_dir)
+    tok = Tokenizer(out / "tokenizer.model")
+    rows = {s: [] for s in SPLITS}
+    doc_ids = {s: [] for s in SPLITS}
+    names, doc_id = [], doc_id_start
+    for i, doc in enumerate(read_unit(unit, text_column)):
+        if not keep[i]:
+            continue
+        split = "valid" if valid[i] else "train"
+        packed = pack_tokens(tok.encode_flat(paragraphs(doc.text)), max_seq_len, min_seq_len)
+        rows[split] += packed
+        doc_ids[split] += [doc_id] * len(packed)
+        names.append((doc_id, doc.name, split, len(doc.text)))
+        doc_id += 1
+    parts = {s: _write_part(out, s, unit.index, rows[s], doc_ids[s]) for s in SPLITS if rows[s]}
+    docs = {"doc_id": pa.array([n[0] for n in names], pa.int32()), "name": pa.array([n[1] for n in names]),
+            "split": pa.array([n[2] for n in names]), "chars": pa.array([n[3] for n in names], pa.int64())}
+    write_parquet(out / "documents" / f"part-{unit.index:05d}.parquet", docs, pa.schema(
+        [("doc_id", pa.int32()), ("name", pa.string()), ("split", pa.string()), ("chars", pa.int64())]))
+    return {"unit": unit.index, "parts": parts, "documents": len(names)}
+
+
+# --- the driver ---------------------------------------------------------------
+
+def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: str | None, desc: str,
+                on_result) -> None:
+    """`fn(unit, *args)` for every job on Ray workers, results handed to `on_result` as they finish;
+    a progress bar in MB/s with an ETA."""
+    import ray
+    from tqdm import tqdm
+    from common.parallel import start_ray
+    if not jobs:
+        return
+    start_ray(address, workers, (SLOW_ENV,))
+    remote = ray.remote(num_cpus=1, max_retries=2)(fn)
+    pending = {remote.remote(unit, *args): unit for unit, args in jobs}
+    bar = tqdm(total=sum(u.bytes for u, _ in jobs), desc=desc, unit="B", unit_scale=True, dynamic_ncols=True)
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            unit = pending.pop(done[0])
+            try:
+                result = ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:  # the worker's own error, without Ray's traceback
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, CorpusError):
+                    raise CorpusError(str(cause)) from None
+                raise
+            on_result(result)
+            bar.update(unit.bytes)
+    finally:
+        bar.close()
+        for ref in pending:
+            ray.cancel(ref, force=True)
+
+
+def _import_stage() -> None:
+    import corpus.build  # noqa: F401  (what a worker's first unit would import)
+
+
+def _warm_up(workers: int, address: str | None) -> None:
+    """Start Ray and its worker processes with the stage's imports: fixed costs, paid before the passes."""
+    import ray
+    from common.parallel import start_ray
+    start_ray(address, workers, (SLOW_ENV,))
+    ray.get([ray.remote(num_cpus=1)(_import_stage).remote() for _ in range(workers)])
+
+
+def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, log) -> list[dict]:
+    scan_dir = staging / "scan"
+    scan_dir.mkdir(exist_ok=True)
+    paths = {u.index: scan_dir / f"unit-{u.index:05d}" for u in units}
+
+    def save(result):
+        path = paths[result["unit"]]
+        with atomic_path(path.with_suffix(".npy")) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, result["hashes"])
+        atomic_write_json(path.with_suffix(".json"), result["sample"])  # written last: the unit is scanned
+
+    todo = [u for u in units if not paths[u.index].with_suffix(".json").is_file()]
+    lines = config.tokenizer.max_sentences
+    jobs = [(u, (cfg.text_column, config.seed, cfg.valid_fraction, math.ceil(lines * u.bytes / total_bytes)))
+            for u in todo]
+    log(f"corpus: scanning {len(todo)} of {len(units)} units (hashes, split, tokenizer sample)")
+    _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
+    return [{"hashes": np.load(paths[u.index].with_suffix(".npy")),
+             "sample": json.loads(paths[u.index].with_suffix(".json").read_text())} for u in units]
+
+
+def _decide(scans: list[dict], valid_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+    """Per unit: which documents to keep (the first of each hash) and which are held out; duplicates.
+    At least one document on each side of the split."""
+    hashes = np.concatenate([s["hashes"] for s in scans]) if scans else np.zeros(0, np.uint64)
+    keep = np.zeros(len(hashes), dtype=bool)
+    keep[np.unique(hashes, return_index=True)[1]] = True
+    valid = np.array([is_valid(int(h), valid_fraction) for h in hashes], dtype=bool)
+    if not len(hashes):
+        raise CorpusError("the corpus source holds no text (every document is empty)")
+    if keep.sum() < 2:
+        raise CorpusError(f"the corpus has {int(keep.sum())} distinct document(s); at least 2 are needed "
+                          f"to hold one out for validation")
+    kept = np.flatnonzero(keep)
+    if not valid[kept].any():   # too few documents for the fraction: hold out the smallest hash
+        valid[kept[np.argmin(hashes[kept])]] = True
+    if valid[kept].all():
+        valid[kept[np.argmax(hashes[kept])]] = False
+    bounds = np.cumsum([0] + [len(s["hashes"]) for s in scans])
+    return ([keep[a:b] for a, b in zip(bounds[:-1], bounds[1:])], [valid[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+            int(len(hashes) - keep.sum()))
+
+
+def _train_tokenizer(scans, keeps, valids, config: RunConfig, staging: Path, log) -> Tokenizer:
+    meta = staging / "tokenizer.json"
+    if meta.is_file():
+        try:
+            return Tokenizer(staging / "tokenizer.model")
+        except (ValueError, FileNotFoundError):
+            pass
+    lines = [text for s, k, v in zip(scans, keeps, valids) for i, _, text in s["sample"] if k[i] and not v[i]]
+    vocab = config.tokenizer.vocab_size
+    log(f"corpus: training the tokenizer on {len(lines)} sampled paragraphs ({sum(map(len, lines)) / 1e6:.1f}M chars)")
+    try:
+        train_tokenizer(lines, vocab, staging)
+    except RuntimeError as e:  # SentencePiece: too little text for the vocabulary, among others
+        raise CorpusError(f"the tokenizer cannot be trained on this corpus ({len(lines)} paragraphs, "
+                          f"{sum(map(len, lines))} characters) with tokenizer.vocab_size = {vocab}: {e}") from e
+    return Tokenizer(staging / "tokenizer.model")
+
+
+def _read_progress(staging: Path) -> dict[int, dict]:
+    path, records = staging / "progress.jsonl", {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of a killed build
+            records[record["unit"]] = record
+    return records
+
+
+def _part_intact(staging: Path, part: dict) -> bool:
+    files = [(part["path"], part["bytes"], part["sha256"])] + \
+            [(f["path"], f["bytes"], f["sha256"]) for f in part["flat"].values()]
+    return all((staging / p).is_file() and (staging / p).stat().st_size == n and sha256_file(staging / p) == h
+               for p, n, h in files)
+
+
+def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = None, workers: int = 1,
+                 address: str | None = None, log=print) -> Path:
+    """Build the corpus folder. Nothing changes under `out_dir` unless the whole build succeeds;
+    a rerun after a failure or a kill continues from the staging folder."""
     cfg = config.corpus
     source = source or cfg.source
     out_dir = Path(out_dir)
     t_start = time.time()
-    docs, dropped = read_source(source, cfg.text_column, cache_dir=out_dir.parent / "downloads")
-    log(f"corpus: {len(docs)} documents from {source!r} ({len(dropped)} duplicate editions dropped)")
-    held_out = split_documents(len(docs), cfg.valid_fraction, config.seed)
-
+    files = source_files(source, cache_dir=out_dir.parent / "downloads")
+    units = work_units(files, max(1, int(cfg.unit_mb * 2**20)))
+    total_bytes = sum(u.bytes for u in units)
+    key = build_key(config, files)
     staging = out_dir.with_name(f".{out_dir.name}.staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    if staging.is_dir() and not ((staging / "key.json").is_file() and
+                                 json.loads((staging / "key.json").read_text()).get("key") == key):
+        shutil.rmtree(staging)  # an unfinished build of other inputs
+    staging.mkdir(parents=True, exist_ok=True)
+    for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
+        remove_stale_tmp(folder)
+    atomic_write_json(staging / "key.json", {"key": key})
+    log(f"corpus: {len(files)} files, {total_bytes / 1e6:.1f} MB from {source!r} in {len(units)} units "
+        f"on {workers} worker(s)")
+
+    if (staging / CORPUS_META).is_file():  # killed between finishing and publishing
+        _publish(staging, out_dir)
+        log(f"corpus: published the build finished in {staging} -> {out_dir}")
+        return out_dir
+    import ray
+    ray_was_running = ray.is_initialized()
     try:
-        train_docs = [d for d, v in zip(docs, held_out) if not v]
-        train_tokenizer(tokenizer_lines(train_docs, config.tokenizer.max_sentences, config.seed),
-                        config.tokenizer.vocab_size, staging)
-        tok = Tokenizer(staging / "tokenizer.model")
-        splits = {"train": [], "valid": []}
-        for doc_id, (doc, valid) in enumerate(zip(docs, held_out)):
-            ids = [i for para in tok.encode_batch(paragraphs(doc.text)) for i in para]
-            for row in pack_document(ids, cfg.max_seq_len, cfg.min_seq_len):
-                splits["valid" if valid else "train"].append((doc_id, row))
-        for split, rows in splits.items():
-            if not rows:
-                raise CorpusError(f"the {split} split of {source!r} has no sequence of >= {cfg.min_seq_len} tokens")
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "source": source,
-            "max_seq_len": cfg.max_seq_len,
-            "vocab_size": tok.vocab_size,
-            "tokenizer_sha256": tok.sha256,
-            "documents": [{"doc_id": i, "name": d.name, "split": "valid" if v else "train", "chars": len(d.text)}
-                          for i, (d, v) in enumerate(zip(docs, held_out))],
-            "dropped_duplicates": dropped,
-            "config": {"corpus": config_to_dict(config)["corpus"], "tokenizer": config_to_dict(config)["tokenizer"],
-                       "seed": config.seed},
-        }
-        for split, rows in splits.items():
-            meta[split] = _write_split(staging, split, rows, cfg.rows_per_part)
-        atomic_write_text(staging / "resolved_manifest.toml", dump_toml(config))
-        atomic_write_json(staging / CORPUS_META, meta)
-        term_counts(staging)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
+        _warm_up(workers, address)
+        seconds = {"start": time.time() - t_start}
+        scans = _scan_all(units, cfg, config, staging, workers, address, total_bytes, log)
+        seconds["scan"] = time.time() - t_start - sum(seconds.values())
+        keeps, valids, duplicates = _decide(scans, cfg.valid_fraction)
+        tok = _train_tokenizer(scans, keeps, valids, config, staging, log)
+        seconds["tokenizer"] = time.time() - t_start - sum(seconds.values())
+        del scans  # the tokenizer sample is no longer needed
+        return _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir,
+                                 workers, address, t_start, seconds, log)
+    except CorpusError:  # bad input: a rerun would fail the same way until the source changes
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        if not ray_was_running and ray.is_initialized():
+            ray.shutdown()  # the Ray this build started (a caller's own Ray is left running)
+
+
+def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir, workers,
+                      address, t_start, seconds, log) -> Path:
+    cfg, key, total_bytes = config.corpus, build_key(config, files), sum(u.bytes for u in units)
+
+    progress = _read_progress(staging)
+    done = {u: r for u, r in progress.items() if all(_part_intact(staging, p) for p in r["parts"].values())}
+    doc_starts = np.cumsum([0] + [int(k.sum()) for k in keeps])
+    jobs = [(u, (cfg.text_column, str(staging), keeps[u.index], valids[u.index], int(doc_starts[u.index]),
+                 cfg.max_seq_len, cfg.min_seq_len)) for u in units if u.index not in done]
+
+    def record(result):
+        with open(staging / "progress.jsonl", "a") as f:
+            f.write(json.dumps(result, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        done[result["unit"]] = result
+
+    log(f"corpus: packing {len(jobs)} of {len(units)} units ({len(units) - len(jobs)} already done)")
+    _run_on_ray(pack_unit, jobs, workers, address, "corpus pack", record)
+    seconds["pack"] = time.time() - t_start - sum(seconds.values())
+
+    meta = {
+        "format_version": FORMAT_VERSION, "corpus_format": CORPUS_FORMAT, "build_key": key, "source": source,
+        "source_files": len(files), "source_bytes": total_bytes, "units": len(units),
+        "max_seq_len": cfg.max_seq_len, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256,
+        "documents": {"read": int(sum(len(k) for k in keeps)), "duplicates": duplicates,
+                      "train": int(sum((k & ~v).sum() for k, v in zip(keeps, valids))),
+                      "valid": int(sum((k & v).sum() for k, v in zip(keeps, valids)))},
+        "config": {"corpus": config_to_dict(config)["corpus"], "tokenizer": config_to_dict(config)["tokenizer"],
+                   "seed": config.seed},
+    }
+    for split in SPLITS:
+        parts, row_start = [], 0
+        for u in units:
+            part = done[u.index]["parts"].get(split)
+            if part:
+                parts.append({**part, "row_start": row_start})
+                row_start += part["rows"]
+        if not parts:
+            raise CorpusError(f"the {split} split of {source!r} has no sequence of >= {cfg.min_seq_len} tokens")
+        meta[split] = {"rows": row_start, "tokens": sum(p["tokens"] for p in parts), "parts": parts}
+    shutil.rmtree(staging / "scan")
+    (staging / "progress.jsonl").unlink()
+    atomic_write_text(staging / "resolved_manifest.toml", dump_toml(config))
+    atomic_write_json(staging / CORPUS_META, meta)
+    term_counts(staging)
+    _publish(staging, out_dir)
+    seconds["publish"] = time.time() - t_start - sum(seconds.values())
+    log("corpus: seconds " + ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))  # bench/corpus.py reads it
     log(f"corpus: train {meta['train']['rows']} rows / {meta['train']['tokens']} tokens, "
-        f"valid {meta['valid']['rows']} rows; vocab {tok.vocab_size}; {time.time() - t_start:.1f}s -> {out_dir}")
+        f"valid {meta['valid']['rows']} rows; {meta['documents']['train']} + {meta['documents']['valid']} "
+        f"documents, {duplicates} duplicates dropped; vocab {tok.vocab_size}; "
+        f"{total_bytes / 1e6 / max(time.time() - t_start, 1e-9):.2f} MB/s, {time.time() - t_start:.1f}s -> {out_dir}")
     return out_dir
 
 
+def _publish(staging: Path, out_dir: Path) -> None:
+    """The complete staging folder takes the place of `out_dir`; the old corpus is removed only after."""
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
+    staging.rename(out_dir)
+    (out_dir / "key.json").unlink()
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def corpus_is_current(config: RunConfig, corpus_dir: Path, source: str) -> bool:
+    """True if `corpus_dir` was built from these very source files (names, sizes, modification
+    times) with these settings."""
     try:
         meta = load_corpus_meta(corpus_dir)
+        files = source_files(source, cache_dir=Path(corpus_dir).parent / "downloads")
     except CorpusError:
         return False
-    want = {"corpus": config_to_dict(config)["corpus"], "tokenizer": config_to_dict(config)["tokenizer"],
-            "seed": config.seed}
-    return meta.get("format_version") == FORMAT_VERSION and meta["config"] == want and meta["source"] == source
+    return meta.get("build_key") == build_key(config, files) and meta.get("source") == source

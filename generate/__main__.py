@@ -14,7 +14,8 @@ from pathlib import Path
 from common.checkpoint import AUX_FILE, IncompatibleInputs
 from common.config import ConfigError, add_set_argument, load_manifest
 from common.sources import CorpusError
-from generate.generator import OutputConflict, default_workers, generate
+from common.parallel import default_workers
+from generate.generator import OutputConflict, generate
 
 
 def main(argv=None) -> int:

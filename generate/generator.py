@@ -14,7 +14,6 @@ or whose bytes do not match their record.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from common.corpus import SplitRows, load_corpus_meta, term_counts
 from common.io import atomic_write_json, remove_stale_tmp, sha256_file
 from common.shards import FORMAT_VERSION, MANIFEST_FILE, SHARD_SCHEMA
 from common.sources import CorpusError
-from common.plan import curriculum_record, generation_key, plan_tasks, rows_per_epoch
+from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
 from common.corrupt import needs_term_counts
 
 PLAN_FILE = "plan.json"
@@ -33,11 +32,6 @@ PLAN_FILE = "plan.json"
 
 class OutputConflict(ValueError):
     """The output folder holds a different generation."""
-
-
-def default_workers() -> int:
-    import torch
-    return torch.cuda.device_count() or os.cpu_count() or 1
 
 
 def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: Path, force: bool) -> dict:
@@ -55,7 +49,8 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
                                 corpus_dir / "tokenizer.model")
     if sha256_file(aux_path) != aux["sha256"]:
         raise IncompatibleInputs(f"auxiliary model {aux_path} does not match the sha256 in its aux.json")
-    key = generation_key(config.seed, config.generate, corpus, aux["sha256"])
+    plan = stream_plan(corpus["train"]["rows"], config)
+    key = generation_key(config.seed, config.generate, corpus, aux["sha256"], plan.total_rows)
     plan_path = out_dir / PLAN_FILE
     if plan_path.is_file():
         existing = json.loads(plan_path.read_text())
@@ -69,7 +64,7 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
         if not force:
             raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}; use another --out or --force")
         shutil.rmtree(out_dir)
-    return {"corpus": corpus, "aux": aux, "key": key}
+    return {"corpus": corpus, "aux": aux, "key": key, "plan": plan}
 
 
 def verified(record: dict | None, out_dir: Path) -> bool:
@@ -116,8 +111,8 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
              address: str | None = None, force: bool = False, log=print) -> dict:
     """Check inputs, run the missing shards on Ray, write manifest.json last. Returns the manifest."""
     checked = check_inputs(config, corpus_dir, aux_path, out_dir, force)
-    corpus = checked["corpus"]
-    tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed)
+    corpus, plan = checked["corpus"], checked["plan"]
+    tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed, plan.total_rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(out_dir)
     for sub in out_dir.iterdir():
@@ -159,7 +154,6 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     seconds = time.time() - t0
     all_records = list(done.values()) + records
     epochs, valid = summarize_epochs(all_records, tasks, curriculum_record(config.generate))
-    per_epoch = rows_per_epoch(corpus["train"]["rows"], config.generate)
     manifest = {
         "format_version": FORMAT_VERSION,
         "generation_key": checked["key"],
@@ -170,8 +164,9 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
         "max_seq_len": corpus["max_seq_len"],
         "tokenizer_sha256": corpus["tokenizer_sha256"],
         "aux": {"path": str(aux_path), "sha256": checked["aux"]["sha256"], "num_layers": checked["aux"]["num_layers"]},
-        "rows_per_epoch": per_epoch,
-        "total_rows": per_epoch * config.generate.epochs,
+        "rows_per_epoch": plan.rows_per_epoch,
+        "num_epochs": plan.epochs,
+        "total_rows": plan.total_rows,
         "epochs": epochs,
         "valid": valid,
         "devices": sorted({r.get("device", "?") for r in all_records}),

@@ -20,6 +20,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from common.parallel import start_ray as common_start_ray
 from common.plan import ShardTask
 
 PROGRESS_FILE = "progress.jsonl"
@@ -77,15 +78,7 @@ def append_progress(out_dir: Path, record: dict) -> None:
 
 
 def start_ray(address: str | None, workers: int) -> None:
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=True)
-    else:
-        env = {k: v for k, v in os.environ.items() if k in (FAIL_ONCE_ENV, SLOW_ENV)}
-        ray.init(num_cpus=workers, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-                 logging_level="WARNING", object_store_memory=256 * 1024 * 1024,
-                 runtime_env={"env_vars": env} if env else None)
+    common_start_ray(address, workers, (FAIL_ONCE_ENV, SLOW_ENV))
 
 
 def actor_device(address: str | None, workers: int) -> str:

@@ -36,7 +36,7 @@ def tiny_config(work_dir: Path, **overrides) -> RunConfig:
     data = {
         "name": "test", "work_dir": str(work_dir), "seed": 7,
         "corpus": {"source": str(work_dir / "raw"), "max_seq_len": 32, "min_seq_len": 8,
-                   "valid_fraction": 0.2, "rows_per_part": 64},
+                   "valid_fraction": 0.2, "unit_mb": 0.01},
         "tokenizer": {"vocab_size": 320},
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "ffn_size": 64,
                   "rel_buckets": 8, "rel_max_distance": 16, "dropout": 0.1},

@@ -24,7 +24,7 @@ def test_wrong_type_and_bad_values_are_errors():
     with pytest.raises(ConfigError, match="train.batch_size must be int"):
         config_from_dict({"train": {"batch_size": "32"}})
     with pytest.raises(ConfigError, match="generate.epochs"):
-        config_from_dict({"generate": {"epochs": 0}})
+        config_from_dict({"generate": {"epochs": -1}})
     with pytest.raises(ConfigError, match="temperature_granularity"):
         config_from_dict({"generate": {"temperature_granularity": "step"}})
     with pytest.raises(ConfigError, match="divisible"):

@@ -1,15 +1,32 @@
-"""Corpus building: cleaning, deduplication, packing within documents, clear errors."""
+"""The corpus stage: streaming readers, cleaning, exact deduplication, packing within documents, the
+Ray build (same bytes for any worker count, resumable after kill -9), and clear errors."""
+import gzip
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from common.corpus import SplitRows, load_split
-from corpus.build import build_corpus, pack_document
+from common.corpus import SplitRows, load_corpus_meta, load_split
 from common.shards import CORPUS_SCHEMA, read_parquet
-from common.sources import CorpusError, Document, deduplicate, read_jsonl, strip_gutenberg
+from common.sources import CorpusError, Piece, read_unit, source_files, strip_gutenberg, work_units
 from common.tokenizer import CLS_ID, SEP_ID, Tokenizer
-from tests.conftest import tiny_config, write_text_corpus
+from corpus.build import SLOW_ENV, build_corpus, corpus_is_current, pack_document
+from tests.conftest import ROOT, dump_toml, tiny_config, write_text_corpus
+
+quiet = dict(log=lambda *_: None)
+
+
+def digest(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_strip_gutenberg_header_and_licence():
@@ -21,15 +38,6 @@ def test_strip_gutenberg_header_and_licence():
     assert strip_gutenberg(old) == "Body text"
 
 
-def test_deduplicate_drops_exact_and_contained_editions():
-    lines = [f"this is a rather long line of verse number {i}" for i in range(50)]
-    docs = [Document("a", "\n".join(lines)), Document("b", "\n".join(lines)),
-            Document("c", "\n".join(lines[:40] + ["a different and fairly long closing line"])),
-            Document("d", "\n".join(l.replace("verse", "prose") for l in lines))]
-    kept, dropped = deduplicate(docs)
-    assert [d.name for d in kept] == ["a", "d"] and dropped == ["b", "c"]
-
-
 def test_pack_document_never_exceeds_and_drops_short_tail():
     rows = pack_document(list(range(10, 40)), max_seq_len=12, min_seq_len=6)
     assert [len(r) for r in rows] == [12, 12, 12]  # 30 tokens = 10 + 10 + 10
@@ -38,33 +46,93 @@ def test_pack_document_never_exceeds_and_drops_short_tail():
     assert [len(r) for r in rows] == [12, 12]  # a 3-token tail (5 with specials) is dropped
 
 
+def test_every_format_is_read_as_a_stream_and_large_jsonl_is_cut_at_line_starts(tmp_path):
+    src = tmp_path / "src"
+    (src / "deep").mkdir(parents=True)
+    (src / "a.txt").write_text("plain text one")
+    with gzip.open(src / "deep" / "b.txt.gz", "wt") as f:
+        f.write("gzipped text two")
+    lines = [json.dumps({"text": f"line {i} " + "x" * (i % 7)}) for i in range(200)]
+    (src / "c.jsonl").write_text("\n".join(lines) + "\n")
+    with gzip.open(src / "d.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "gz json"}) + "\n\n" + json.dumps({"text": "gz json 2"}) + "\n")
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(50)]}), src / "e.parquet", row_group_size=7)
+    (src / "ignored.csv").write_text("not, a, corpus")
+    files = source_files(str(src), tmp_path / "cache")
+    assert [f.name for f in files] == ["a.txt", "c.jsonl", "d.jsonl.gz", "deep/b.txt.gz", "e.parquet"]
+    units = work_units(files, unit_bytes=500)  # c.jsonl (~3 KB) in byte ranges, e.parquet by row groups
+    assert len(units) > 5 and any(p.start > 0 for u in units for p in u.pieces if p.file.name == "c.jsonl")
+    texts = [d.text for u in units for d in read_unit(u, "text")]
+    expected = (["plain text one"] + [json.loads(l)["text"] for l in lines] + ["gz json", "gz json 2"]
+                + ["gzipped text two"] + [f"row {i}" for i in range(50)])
+    assert texts == expected  # every line exactly once, in order, whatever the cut
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\x7fELF\x02\x01\x01\x00\x00" + bytes(range(256)) * 40, r"bad\.txt is not text"),
+    ("\x01\x02\x03\x04 control characters \x05\x06\x07\x08".encode(), r"bad\.txt is not text"),
+])
+def test_a_binary_file_is_refused_naming_it(tmp_path, content, message):
+    write_text_corpus(tmp_path / "raw", num_docs=3)
+    (tmp_path / "raw" / "bad.txt").write_bytes(content)
+    config = tiny_config(tmp_path)
+    with pytest.raises(CorpusError, match=message):
+        build_corpus(config, config.corpus_dir, **quiet)
+    assert not config.corpus_dir.exists() and not any(p.name.startswith(".corpus") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "fine"', r"c\.jsonl:3 is not valid JSON"),
+    ('{"body": "x"}', r"c\.jsonl:3 has no 'text' field"),
+    ('{"text": null}', r"c\.jsonl:3: 'text' is NoneType, not a string"),
+])
+def test_a_malformed_jsonl_line_is_refused_naming_file_and_line(tmp_path, line, message):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n' + line + "\n")
+    units = work_units(source_files(str(path), tmp_path), unit_bytes=10)  # the bad line in a later range
+    assert len(units) > 1
+    with pytest.raises(CorpusError, match=message):
+        [d for u in units for d in read_unit(u, "text")]
+
+
 def test_build_corpus_rows_stay_inside_their_document(tmp_path):
     write_text_corpus(tmp_path / "raw", num_docs=5)
     config = tiny_config(tmp_path)
-    build_corpus(config, config.corpus_dir, log=lambda *_: None)
-    meta = json.loads((config.corpus_dir / "corpus.json").read_text())
+    build_corpus(config, config.corpus_dir, **quiet)
+    meta = load_corpus_meta(config.corpus_dir)
     tok = Tokenizer(config.corpus_dir / "tokenizer.model")
     assert tok.vocab_size == 320 and meta["tokenizer_sha256"] == tok.sha256
     assert [tok.piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     # ids after the specials are in frequency order: the train rows count down
     counts = np.bincount(np.concatenate(load_split(config.corpus_dir, "train")), minlength=tok.vocab_size)[5:]
     assert counts[:20].tolist() == sorted(counts[:20].tolist(), reverse=True) and counts[0] > counts[-1]
-    docs = {d["doc_id"]: d for d in meta["documents"]}
-    assert {d["split"] for d in docs.values()} == {"train", "valid"}
+    docs = pq.read_table(config.corpus_dir / "documents").to_pylist()
+    docs = {d["doc_id"]: d for d in docs}
+    assert {d["split"] for d in docs.values()} == {"train", "valid"} and sorted(docs) == list(range(5))
     for split in ("train", "valid"):
-        table = read_parquet(config.corpus_dir / meta[split]["parts"][0]["path"], CORPUS_SCHEMA)
-        assert table.schema.equals(CORPUS_SCHEMA, check_metadata=False)
         rows = load_split(config.corpus_dir, split)
-        mapped = SplitRows(config.corpus_dir, split)  # what the generator's actors read
-        assert len(mapped) == len(rows) and all(np.array_equal(mapped[i], r) for i, r in enumerate(rows))
-        doc_ids = np.concatenate([read_parquet(config.corpus_dir / p["path"], CORPUS_SCHEMA).column("doc_id").to_numpy()
-                                  for p in meta[split]["parts"]])
+        assert len(rows) == meta[split]["rows"]
+        tables = [read_parquet(config.corpus_dir / p["path"], CORPUS_SCHEMA) for p in meta[split]["parts"]]
+        assert tables[0].column("input_ids")[0].as_py() == rows[0].tolist()  # Parquet and memory map agree
+        doc_ids = np.concatenate([t.column("doc_id").to_numpy() for t in tables])
         raw = {i: " ".join((tmp_path / "raw" / docs[i]["name"]).read_text().split()) for i in set(doc_ids.tolist())}
         for ids, doc_id in zip(rows, doc_ids):
             assert docs[doc_id]["split"] == split
             assert 8 <= len(ids) <= 32 and ids[0] == CLS_ID and ids[-1] == SEP_ID
             # the decoded body is one contiguous piece of its own document's text
             assert tok.decode(ids[1:-1]).strip() in raw[doc_id]
+
+
+def test_exact_duplicates_are_dropped_and_the_first_kept(tmp_path):
+    raw = write_text_corpus(tmp_path / "raw", num_docs=4)
+    text = (raw / "work_01.txt").read_text()
+    (raw / "work_01_copy.txt").write_text(text)  # the same text under another name
+    config = tiny_config(tmp_path)
+    build_corpus(config, config.corpus_dir, **quiet)
+    meta = load_corpus_meta(config.corpus_dir)
+    assert meta["documents"]["duplicates"] == 1 and meta["documents"]["read"] == 5
+    names = [d["name"] for d in pq.read_table(config.corpus_dir / "documents").to_pylist()]
+    assert "work_01.txt" in names and "work_01_copy.txt" not in names  # the first one is kept
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_folder", "blank_files"])
@@ -76,13 +144,100 @@ def test_empty_or_missing_corpus_is_refused_without_output(tmp_path, make):
         (source / "a.txt").write_text("   \n\n")
     config = tiny_config(tmp_path)
     with pytest.raises(CorpusError, match="does not exist|holds no text"):
-        build_corpus(config, config.corpus_dir, log=lambda *_: None)
+        build_corpus(config, config.corpus_dir, **quiet)
     assert not config.corpus_dir.exists()
     assert not any(p.name.startswith(".corpus") for p in tmp_path.iterdir())
 
 
-def test_jsonl_source_needs_the_text_field(tmp_path):
+def test_too_little_text_for_the_vocabulary_is_a_clear_error(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("five words in this file")
+    (tmp_path / "raw" / "b.txt").write_text("and five words in this")
+    config = tiny_config(tmp_path)
+    with pytest.raises(CorpusError, match=r"tokenizer.vocab_size = 320"):
+        build_corpus(config, config.corpus_dir, **quiet)
+
+
+def _multi_file_source(tmp_path):
+    """Texts in four formats, several units each (unit_mb = 0.01 in the test config)."""
+    raw = write_text_corpus(tmp_path / "raw", num_docs=6)
+    docs = [write_text_corpus(tmp_path / f"gen{i}", num_docs=1, seed=10 + i) / "work_00.txt" for i in range(6)]
+    with gzip.open(raw / "more.jsonl.gz", "wt") as f:
+        for d in docs[:3]:
+            f.write(json.dumps({"text": d.read_text()}) + "\n")
+    (raw / "sub").mkdir()
+    (raw / "sub" / "plain.jsonl").write_text("".join(json.dumps({"text": d.read_text()}) + "\n" for d in docs[3:5]))
+    with gzip.open(raw / "sub" / "one.txt.gz", "wt") as f:
+        f.write(docs[5].read_text())
+    return raw
+
+
+@pytest.mark.slow
+def test_one_and_two_workers_give_the_same_bytes_and_a_rerun_is_current(tmp_path):
+    _multi_file_source(tmp_path)
+    config = tiny_config(tmp_path)
+    one, two = tmp_path / "one", tmp_path / "two"
+    build_corpus(config, one, workers=1, **quiet)
+    build_corpus(config, two, workers=2, **quiet)
+    meta = load_corpus_meta(one)
+    assert meta["units"] > 3 and len(meta["train"]["parts"]) > 3 and meta["documents"]["read"] == 12
+    assert digest(one) == digest(two)
+    assert corpus_is_current(config, one, config.corpus.source)
+    rows = SplitRows(one, "train")
+    assert len(rows) == meta["train"]["rows"] and np.array_equal(rows[len(rows) - 1], load_split(one, "train")[-1])
+
+
+@pytest.mark.slow
+def test_kill_9_during_the_build_then_a_rerun_gives_the_same_bytes(tmp_path, env_with_repo):
+    _multi_file_source(tmp_path)
+    config = tiny_config(tmp_path)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(config))
+    build_corpus(config, tmp_path / "reference", workers=2, **quiet)
+    cmd = [sys.executable, "-m", "corpus", "--manifest", str(manifest), "--workers", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env_with_repo, SLOW_ENV: "1.5"}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging = tmp_path / ".corpus.staging"
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((staging / "progress.jsonl").is_file() and
+                                          len((staging / "progress.jsonl").read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not config.corpus_dir.exists() and staging.is_dir()  # nothing published, the work kept
+    parts = sorted((staging / "train").glob("*.npy"))
+    parts[0].write_bytes(b"damaged")  # a part the rerun must redo
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "already done" in rerun.stdout and not staging.exists()
+    assert digest(config.corpus_dir) == digest(tmp_path / "reference")
+
+
+def test_a_failed_rebuild_leaves_the_good_corpus_alone(tmp_path):
+    write_text_corpus(tmp_path / "raw", num_docs=4)
+    config = tiny_config(tmp_path)
+    build_corpus(config, config.corpus_dir, **quiet)
+    before = digest(config.corpus_dir)
+    (tmp_path / "raw" / "broken.jsonl").write_text('{"text": "ok"}\n{"text": 3}\n')
+    assert not corpus_is_current(config, config.corpus_dir, config.corpus.source)  # a new file: stale
+    with pytest.raises(CorpusError, match=r"broken\.jsonl:2"):
+        build_corpus(config, config.corpus_dir, **quiet)
+    assert digest(config.corpus_dir) == before
+
+
+def test_an_old_corpus_is_refused_with_a_rebuild_hint(tmp_path):
+    (tmp_path / "corpus.json").write_text(json.dumps({"format_version": 2, "train": {}}))
+    with pytest.raises(CorpusError, match="older version.*make corpus"):
+        load_corpus_meta(tmp_path)
+
+
+def test_the_piece_reader_starts_a_range_at_the_next_line(tmp_path):
     path = tmp_path / "c.jsonl"
-    path.write_text('{"text": "hello"}\n{"body": "x"}\n')
-    with pytest.raises(CorpusError, match=r"c.jsonl:2 has no 'text' field"):
-        read_jsonl(path, "text")
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(10)))
+    (file,) = source_files(str(path), tmp_path)
+    cut = path.read_text().index("doc 3") - 3  # inside line 4
+    first = Piece(file, 0, cut)
+    second = Piece(file, cut, -1)
+    from common.sources import read_piece
+    texts = [d.text for p in (first, second) for d in read_piece(p, "text")]
+    assert texts == [f"doc {i}" for i in range(10)]

@@ -19,7 +19,7 @@ from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, r
 from common.config import RunConfig
 from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import VALID_EPOCH
-from common.plan import epoch_curriculum, epoch_order, generation_key, rows_per_epoch
+from common.plan import epoch_curriculum, epoch_order, generation_key, stream_plan
 from common.corrupt import Corruptor
 
 
@@ -31,15 +31,16 @@ class OnlineStream:
         meta = load_corpus_meta(corpus_dir)
         self.cfg, self.seed = config.generate, config.seed
         self.num_train = meta["train"]["rows"]
-        self.per_epoch = rows_per_epoch(self.num_train, self.cfg)
-        self.num_rows = self.per_epoch * self.cfg.epochs
+        plan = stream_plan(self.num_train, config)
+        self.per_epoch, self.num_epochs, self.num_rows = plan.rows_per_epoch, plan.epochs, plan.total_rows
         self.corpus = SplitRows(corpus_dir, "train")
         self.corruptor = corruptor
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
-            self._orders = {epoch: epoch_order(self.num_train, epoch, self.per_epoch, self.seed)}
+            rows = min(self.per_epoch, self.num_rows - epoch * self.per_epoch)  # the last epoch may be partial
+            self._orders = {epoch: epoch_order(self.num_train, epoch, rows, self.seed)}
         return self._orders[epoch]
 
     def rows(self, start: int, stop: int) -> dict:
@@ -53,7 +54,7 @@ class OnlineStream:
             end = min(stop, (epoch + 1) * self.per_epoch)
             stream = np.arange(position, end, dtype=np.int64)
             row_ids = self._order(epoch)[stream - epoch * self.per_epoch]
-            temperatures, gammas = epoch_curriculum(self.cfg, epoch, stream, self.num_rows)  # any curriculum
+            temperatures, gammas = epoch_curriculum(self.cfg, epoch, stream, self.num_rows, self.num_epochs)
             originals = [self.corpus[int(i)] for i in row_ids]
             if self.corruptor is None:
                 out["input_ids"] += originals
@@ -100,5 +101,5 @@ def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: 
     corrupted = corruptor([valid_rows[int(i)] for i in ids], ids, VALID_EPOCH, np.ones(count))
     valid = RowsInMemory({"input_ids": corrupted["input_ids"], "labels": [l.astype(bool) for l in corrupted["labels"]],
                           "temperature": np.ones(count, np.float32), "stream_index": ids})
-    key = generation_key(config.seed, g, meta, aux["sha256"])
+    key = generation_key(config.seed, g, meta, aux["sha256"], stream.num_rows)
     return stream, valid, meta["vocab_size"], hashlib.sha256(json.dumps({"online": key, "corrupt": corrupt}).encode()).hexdigest()

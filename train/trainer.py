@@ -28,7 +28,7 @@ from common.io import atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
 from train import state
-from train.data import load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream, validation_stream
+from train.data import DataError, load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream, validation_stream
 from train.metrics import rtd_metrics
 from train.objectives import ElectraPair, electra_tensors, forward_losses, objective
 from train.plots import plot_curves
@@ -139,6 +139,11 @@ def train(args, after_step=None) -> dict:
         raise ConfigError(f"train.batch_size {tc.batch_size} must be divisible by ranks x grad_accum "
                           f"= {world} x {tc.grad_accum}")
     stream, valid, vocab_size, prior, manifest_hash, data_desc = open_streams(config, args, device)
+    needed = tc.max_steps * tc.batch_size
+    if stream.num_rows < needed and not tc.allow_short_stream:  # never silently fewer steps than asked
+        raise DataError(f"{data_desc} holds {stream.num_rows} training rows; train.max_steps {tc.max_steps} x "
+                        f"train.batch_size {tc.batch_size} needs {needed}. Generate a stream for this budget "
+                        f"(generate.epochs = 0 derives the epochs from it) or set train.allow_short_stream = true")
     electra = tc.objective == "electra"  # `detector` below is what validation scores
     # 32 rows x 128 tokens = 4096 tokens per update on the tiny preset.
     total_steps = stream.num_rows // tc.batch_size

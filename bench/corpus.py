@@ -1,0 +1,196 @@
+"""`make bench-corpus`: how fast the corpus stage runs against the tokenizer's own speed, how it scales
+with workers, and whether its memory stays flat as the corpus grows.
+
+    python -m bench.corpus [--mb 200] [--out bench/results]
+
+Builds a synthetic corpus of at least `--mb` MB from the embedded texts (documents of reshuffled
+sentences, so none is a duplicate), then runs `python -m corpus` on it, measured in one run:
+  mb_per_s                source MB/s of the two passes over the corpus (scan + pack) with 2 workers
+  mb_per_s_1_worker       the same with 1 worker
+  vs_tokenizer_limit      mb_per_s_1_worker / SentencePiece `encode` MB/s on one thread, same text
+                          (the passes per worker against tokenizing alone; target >= 0.7)
+  speedup_2_workers       mb_per_s / mb_per_s_1_worker (target >= 1.7 on 2 cores)
+  peak_rss_4x_vs_1x       peak RSS of the whole job (driver, Ray, workers) on a 4x corpus / on 1x
+                          (target <= 1.2)
+  hours_16gb_2_cores, hours_16gb_64_cores   16 GB at the measured per-worker rate, plus fixed costs
+Fixed costs that do not grow with the corpus (Ray's start, training the tokenizer on its bounded
+sample, publishing) are reported apart. Writes bench/results/corpus.json and corpus.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.config import dump_toml, load_manifest
+from common.io import atomic_write_json, atomic_write_text
+from common.sources import paragraphs, read_unit, shakespeare_folder, source_files, work_units
+from common.tokenizer import Tokenizer
+
+SENTENCE = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def synthetic_corpus(out: Path, megabytes: float, cache_dir: Path, seed: int = 0, doc_kb: int = 100) -> int:
+    """Folders of .txt documents of `doc_kb` KB, each made of sentences of the embedded texts drawn at
+    random (paragraphs of 4-12 sentences); returns the bytes written."""
+    files = source_files(str(shakespeare_folder(cache_dir)), cache_dir)
+    sentences = [s for u in work_units(files, 1 << 22) for d in read_unit(u, "text")
+                 for p in paragraphs(d.text) for s in SENTENCE.split(p) if len(s) > 20]
+    rng = np.random.default_rng(seed)
+    written, doc = 0, 0
+    while written < megabytes * 1e6:
+        chunks, size = [], 0
+        while size < doc_kb * 1000:
+            picked = rng.integers(0, len(sentences), size=rng.integers(4, 13))
+            chunks.append(" ".join(sentences[i] for i in picked))
+            size += len(chunks[-1]) + 2
+        path = out / f"{doc // 1000:03d}" / f"doc-{doc:06d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "\n\n".join(chunks) + "\n"
+        path.write_text(text)
+        written += len(text.encode())
+        doc += 1
+    return written
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants (Ray's raylet, workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        rss[int(entry)] = int(fields.get("VmRSS", "0 kB").split()[0])
+        children.setdefault(int(fields.get("PPid", "0").strip()), []).append(int(entry))
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        total += rss.get(p, 0)
+        stack += children.get(p, [])
+    return total / 1024
+
+
+def run_job(manifest: Path, source: Path, out: Path, workers: int) -> dict:
+    """`python -m corpus` in a process of its own; its pass timings and the peak RSS of its process tree."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "corpus", "--manifest", str(manifest), "--source", str(source), "--out", str(out),
+           "--workers", str(workers)]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""}, start_new_session=True)
+    peak = [0.0]
+
+    def sample():
+        while proc.poll() is None:
+            peak[0] = max(peak[0], tree_rss_mb(proc.pid))
+            time.sleep(0.25)
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    stdout = proc.communicate()[0]
+    watcher.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stdout[-3000:]}")
+    line = next(l for l in stdout.splitlines() if l.startswith("corpus: seconds "))
+    seconds = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", line[len("corpus: seconds "):])}
+    return {"seconds": seconds, "wall_s": time.time() - t0, "peak_rss_mb": peak[0]}
+
+
+def encode_limit_mb_per_s(tokenizer: Path, source: Path, megabytes: float = 20.0) -> float:
+    """SentencePiece `encode` alone, one thread, on the first `megabytes` of the same documents' paragraphs."""
+    tok = Tokenizer(tokenizer)
+    texts, size = [], 0
+    for path in sorted(source.rglob("*.txt")):
+        for p in paragraphs(path.read_text()):
+            texts.append(p)
+            size += len(p.encode())
+        if size > megabytes * 1e6:
+            break
+    t0 = time.perf_counter()
+    for start in range(0, len(texts), 256):
+        tok.sp.encode(texts[start:start + 256], num_threads=1)
+    return size / 1e6 / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.corpus")
+    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    parser.add_argument("--mb", type=float, default=200.0, help="size of the 1x synthetic corpus")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--work", default="work/bench-corpus")
+    args = parser.parse_args(argv)
+    config = load_manifest(args.manifest)
+    config.corpus.unit_mb = 8.0
+    config.tokenizer.max_sentences = 50_000  # a bounded sample: its cost does not grow with the corpus
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = work / "bench.toml"
+    manifest.write_text(dump_toml(config))
+    cache = Path(config.work_dir) / "downloads"
+    sources = {}
+    for scale in (1, 4):
+        folder = work / f"source-{scale}x"
+        if not (folder / ".complete").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            synthetic_corpus(folder, args.mb * scale, cache, seed=scale)
+            (folder / ".complete").write_text("")
+        sources[scale] = folder
+    megabytes = {s: sum(p.stat().st_size for p in f.rglob("*.txt")) / 1e6 for s, f in sources.items()}
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        runs = {"1x_1": run_job(manifest, sources[1], Path(tmp) / "c1", 1),
+                "1x_2": run_job(manifest, sources[1], Path(tmp) / "c2", 2)}
+        limit = encode_limit_mb_per_s(Path(tmp) / "c2" / "tokenizer.model", sources[1])
+        shutil.rmtree(Path(tmp) / "c1")
+        runs["4x_2"] = run_job(manifest, sources[4], Path(tmp) / "c4", 2)
+    passes = lambda r: r["seconds"]["scan"] + r["seconds"]["pack"]
+    mb1, mb2 = megabytes[1] / passes(runs["1x_1"]), megabytes[1] / passes(runs["1x_2"])
+    fixed_s = max(r["wall_s"] - passes(r) for r in runs.values())
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "corpus_mb": megabytes[1], "corpus_4x_mb": megabytes[4],
+        "mb_per_s": mb2, "mb_per_s_1_worker": mb1, "tokenizer_limit_mb_per_s": limit,
+        "vs_tokenizer_limit": mb1 / limit, "speedup_2_workers": mb2 / mb1,
+        "peak_rss_mb_1x": runs["1x_2"]["peak_rss_mb"], "peak_rss_mb_4x": runs["4x_2"]["peak_rss_mb"],
+        "peak_rss_4x_vs_1x": runs["4x_2"]["peak_rss_mb"] / runs["1x_2"]["peak_rss_mb"],
+        "mb_per_s_4x": megabytes[4] / passes(runs["4x_2"]), "fixed_seconds": fixed_s,
+        "hours_16gb_2_cores": (16e3 / mb2 + fixed_s) / 3600, "hours_16gb_64_cores": (16e3 / (mb1 * 64) + fixed_s) / 3600,
+        "runs": runs,
+    }
+    out = Path(args.out)
+    atomic_write_json(out / "corpus.json", result)
+    md = ["# bench-corpus", "",
+          f"`python -m bench.corpus --mb {args.mb:g}` on {result['machine']}, {result['date']}: a synthetic corpus "
+          f"of {megabytes[1]:.0f} MB (4x: {megabytes[4]:.0f} MB) of reshuffled sentences of the embedded texts.", "",
+          "| measure | value | target |", "|---|---|---|",
+          f"| mb_per_s (2 workers, scan + pack) | {mb2:.2f} | |",
+          f"| mb_per_s_1_worker | {mb1:.2f} | |",
+          f"| SentencePiece encode alone, 1 thread | {limit:.2f} MB/s | |",
+          f"| vs_tokenizer_limit | {result['vs_tokenizer_limit']:.3f} | >= 0.7 |",
+          f"| speedup_2_workers | {result['speedup_2_workers']:.3f} | >= 1.7 |",
+          f"| peak_rss_4x_vs_1x | {result['peak_rss_4x_vs_1x']:.3f} ({result['peak_rss_mb_4x']:.0f} / "
+          f"{result['peak_rss_mb_1x']:.0f} MB) | <= 1.2 |",
+          f"| fixed costs (Ray start, tokenizer on its sample, publish) | {fixed_s:.1f} s | |",
+          f"| 16 GB on 2 cores / on 64 cores (extrapolated) | {result['hours_16gb_2_cores']:.2f} h / "
+          f"{result['hours_16gb_64_cores']:.3f} h | |", ""]
+    atomic_write_text(out / "corpus.md", "\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
