@@ -19,7 +19,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Default work folder of the manifest (work_dir = "..."), for the file targets below.
-WORK   := $(shell sed -n 's/^work_dir *= *"\(.*\)"/\1/p' $(MANIFEST) 2>/dev/null)
+MANIFEST_WORK := $(shell sed -n 's/^work_dir *= *"\(.*\)"/\1/p' $(MANIFEST) 2>/dev/null)
+# Your own corpus (CORPUS=...) gets a work folder of its own for everything made from it (corpus, aux model,
+# shards, runs), so switching corpora back and forth reuses what each one built.
+CORPUS_ID := $(if $(CORPUS),$(notdir $(abspath $(CORPUS)))-$(shell printf '%s' '$(abspath $(CORPUS))' | sha256sum | cut -c1-8))
+WORK   := $(if $(CORPUS),$(MANIFEST_WORK)/corpora/$(CORPUS_ID),$(MANIFEST_WORK))
+SETS   := $(if $(CORPUS),--set corpus.source=$(abspath $(CORPUS)) --set work_dir=$(WORK) --set shared_dir=)
 DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
@@ -43,17 +48,20 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 corpus: setup
-	$(PY) -m corpus --manifest $(MANIFEST) $(if $(CORPUS),--source $(CORPUS)) $(if $(WORKERS),--workers $(WORKERS))
+	$(PY) -m corpus --manifest $(MANIFEST) $(SETS) $(if $(WORKERS),--workers $(WORKERS))
 
 aux: corpus
-	$(PY) -m auxiliary --manifest $(MANIFEST)
+	$(PY) -m auxiliary --manifest $(MANIFEST) $(SETS)
 
 generate-epochs: aux
-	$(PY) -m generate --manifest $(MANIFEST) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS))
+	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS))
+
+# One rank runs without the launcher: its errors reach the terminal as one line with exit code 2 (torchrun
+# would wrap them in its own traceback and exit 1), and it dies with make's process group.
+LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC))
 
 train: generate-epochs
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m train --manifest $(MANIFEST) \
-		--data $(DATA_DIR) --out $(RUN_DIR) --resume
+	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume
 
 # Only reads the shards: if $(DATA_DIR)/manifest.json exists the generator is not run at all.
 sweep: setup $(DATA_DIR)/manifest.json

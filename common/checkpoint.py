@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import re
 from pathlib import Path
 
@@ -24,6 +25,17 @@ class IncompatibleInputs(ValueError):
     """Two inputs of a stage disagree (vocabulary, tokenizer, sequence length, schema)."""
 
 
+def safe_load(path: str | Path, map_location="cpu") -> dict:
+    """torch.load with `weights_only=True`: tensors and plain types only, so a file received from someone
+    else cannot run code on load. Anything else is refused with a message naming the file."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise IncompatibleInputs(f"{path} holds objects other than tensors and plain types (pickled code?); "
+                                 f"refusing to load it: loading could run code. Use a file written by this "
+                                 f"project ({str(e).splitlines()[0][:200]})") from None
+
+
 def save_aux(model: MaskedLM, model_cfg: ModelConfig, num_layers: int, vocab_size: int,
              tokenizer_sha256: str, out_dir: str | Path, metrics: dict) -> Path:
     out_dir = Path(out_dir)
@@ -35,7 +47,7 @@ def save_aux(model: MaskedLM, model_cfg: ModelConfig, num_layers: int, vocab_siz
         "vocab_size": vocab_size,
         "tokenizer_sha256": tokenizer_sha256,
         "state_dict": model.state_dict(),
-        "metrics": metrics,
+        "metrics": {k: v for k, v in metrics.items() if k != "tokens_per_s"},  # the file's bytes: inputs only
     }
     with atomic_path(path) as tmp:
         torch.save(payload, tmp)
@@ -73,7 +85,7 @@ def load_aux(path: str | Path, map_location="cpu") -> tuple[MaskedLM, dict]:
     digest = sha256_file(path)
     if digest != meta["sha256"]:
         raise IncompatibleInputs(f"auxiliary model {path} has sha256 {digest[:12]}, {AUX_META} says {meta['sha256'][:12]}")
-    payload = torch.load(path, map_location=map_location, weights_only=False)
+    payload = safe_load(path, map_location)
     model = MaskedLM(ModelConfig(**payload["model_config"]), payload["vocab_size"], payload["num_layers"])
     model.load_state_dict(payload["state_dict"])
     model.to(map_location).eval().requires_grad_(False)
@@ -108,12 +120,15 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(folder: str | Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; a damaged one is skipped with a note."""
+    """The newest checkpoint that loads; a damaged one is skipped with a note, one holding anything but
+    tensors and plain types is refused (`safe_load`)."""
     for path in reversed(list_checkpoints(folder)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = safe_load(path)
             if isinstance(state, dict) and "step" in state and "model" in state:
                 return path, state
+        except IncompatibleInputs:
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
             print(f"resume: ignoring unreadable checkpoint {path}: {type(e).__name__}: {e}")
     return None

@@ -37,6 +37,9 @@ class CorpusConfig:
     """A document's last chunk shorter than this is dropped."""
     valid_fraction: float = 0.05
     """Fraction of documents held out for validation, decided by each document's hash (at least one)."""
+    on_bad_input: str = "stop"
+    """A file that is not text, a malformed JSONL line, a null text: 'stop' with an error naming it, or
+    'skip' it and report how many were skipped."""
     unit_mb: float = 8.0
     """Source megabytes per work unit: the unit of parallel work, of resume, and one part file per split."""
 
@@ -45,6 +48,8 @@ class CorpusConfig:
             raise ConfigError(f"corpus.max_seq_len must be >= 8, got {self.max_seq_len}")
         if not 2 <= self.min_seq_len <= self.max_seq_len:
             raise ConfigError(f"corpus.min_seq_len must be in [2, max_seq_len], got {self.min_seq_len}")
+        if self.on_bad_input not in ("stop", "skip"):
+            raise ConfigError(f"corpus.on_bad_input must be 'stop' or 'skip', got {self.on_bad_input!r}")
         if not self.unit_mb > 0:
             raise ConfigError(f"corpus.unit_mb must be > 0, got {self.unit_mb}")
         if not 0.0 < self.valid_fraction < 0.5:
@@ -230,6 +235,9 @@ class TrainConfig:
     """Checkpoint every N updates (and at the end)."""
     keep_checkpoints: int = 3
     """Keep the newest K checkpoints."""
+    verify_shards: bool = True
+    """Check every shard's sha256 before the first update (in parallel with start-up); false: each shard
+    when first read, for streams too large to hash up front (damage then surfaces mid-run)."""
     allow_short_stream: bool = False
     """Train on a stream shorter than max_steps x batch_size rows (fewer steps) instead of refusing it."""
     max_nonfinite_steps: int = 5
@@ -496,7 +504,7 @@ def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
 # Resume compares everything else.
 NOT_TRAJECTORY = ("name", "work_dir", "shared_dir", "sweep", "reproduce")
 NOT_TRAJECTORY_TRAIN = ("eval_every", "log_every", "ckpt_every", "keep_checkpoints", "max_nonfinite_steps",
-                        "allow_short_stream")
+                        "allow_short_stream", "verify_shards")
 
 
 def trajectory_config(data: dict) -> dict:

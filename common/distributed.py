@@ -35,6 +35,11 @@ def all_max(values: list[float], world: int) -> list[float]:
     return all_reduce(values, world, dist.ReduceOp.MAX if world > 1 else None)
 
 
+def any_rank(flag: bool, world: int) -> bool:
+    """True on every rank when `flag` is true on any."""
+    return all_max([float(flag)], world)[0] > 0
+
+
 def gather_objects(obj, world: int) -> list:
     """`obj` of every rank, in rank order, on every rank."""
     if world == 1:

@@ -58,3 +58,73 @@ def remove_stale_tmp(folder: str | Path) -> int:
         p.unlink(missing_ok=True)
         count += 1
     return count
+
+
+class FolderLocked(RuntimeError):
+    """Another live process is writing the folder."""
+
+
+class FolderLock:
+    """One writer per folder: a `.NAME.lock` file beside it holding the owner's pid, host and command.
+    A second writer stops with a message naming the owner; the lock of a process that is no longer
+    running on this host is taken over (a killed writer cannot release it)."""
+
+    def __init__(self, folder: str | Path, what: str):
+        self.folder, self.what = Path(folder), what
+        self.path = self.folder.with_name(f".{self.folder.name}.lock")
+
+    def _owner(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> "FolderLock":
+        import socket
+        import time
+        host = socket.gethostname()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(50):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if not owner:  # being written this instant, or torn by a kill
+                    time.sleep(0.05)
+                    if not self._owner() and self.path.exists():
+                        self.path.unlink(missing_ok=True)
+                    continue
+                if owner.get("host") == host and (owner.get("pid") == os.getpid() or not _alive(owner.get("pid", 0))):
+                    if owner.get("pid") != os.getpid():
+                        print(f"{self.what}: taking over the lock of process {owner.get('pid')} ({owner.get('what')}), "
+                              f"which is no longer running")
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise FolderLocked(f"{self.folder} is being written by {owner.get('what')} (pid {owner.get('pid')} on "
+                                   f"{owner.get('host')}, since {owner.get('since')}); wait for it or stop it "
+                                   f"(its lock: {self.path})") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": host, "what": self.what,
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+            return self
+        raise FolderLocked(f"could not take the lock {self.path}")
+
+    def release(self) -> None:
+        if self._owner().get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0

@@ -293,21 +293,28 @@ def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
             yield None, offset, line
 
 
-def _read_jsonl(piece: Piece, text_column: str) -> Iterator[Document]:
+def _jsonl_document(line: bytes, text_column: str, where) -> str:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorpusError(f"{where()} is not valid JSON: {e}") from None
+    if not isinstance(record, dict) or text_column not in record:
+        raise CorpusError(f"{where()} has no {text_column!r} field")
+    text = record[text_column]
+    if not isinstance(text, str):
+        raise CorpusError(f"{where()}: {text_column!r} is {type(text).__name__}, not a string")
+    return check_text(text, where())
+
+
+def _read_jsonl(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:
     for number, offset, line in _jsonl_lines(piece):
         if not line.strip():
             continue
         where = lambda: f"{piece.file.path}:{number or _line_number(piece.file.path, offset)}"
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CorpusError(f"{where()} is not valid JSON: {e}") from e
-        if not isinstance(record, dict) or text_column not in record:
-            raise CorpusError(f"{where()} has no {text_column!r} field")
-        text = record[text_column]
-        if not isinstance(text, str):
-            raise CorpusError(f"{where()}: {text_column!r} is {type(text).__name__}, not a string")
-        yield Document(f"{piece.file.name}:{number or offset}", check_text(text, where()))
+            yield Document(f"{piece.file.name}:{number or offset}", _jsonl_document(line, text_column, where))
+        except CorpusError as e:
+            yield e
 
 
 def _read_parquet(piece: Piece, text_column: str) -> Iterator[Document]:
@@ -325,13 +332,17 @@ def _read_parquet(piece: Piece, text_column: str) -> Iterator[Document]:
     groups = list(range(piece.start, parquet.metadata.num_row_groups if piece.stop < 0 else piece.stop))
     for batch in parquet.iter_batches(row_groups=groups, columns=[text_column], batch_size=4096):
         for text in batch.column(0).to_pylist():
-            if text is None:
-                raise CorpusError(f"{piece.file.path}: row {row} has no text (null {text_column!r})")
-            yield Document(f"{piece.file.name}:{row}", check_text(text, f"{piece.file.path}: row {row}"))
+            try:
+                if text is None:
+                    raise CorpusError(f"{piece.file.path}: row {row} has no text (null {text_column!r})")
+                yield Document(f"{piece.file.name}:{row}", check_text(text, f"{piece.file.path}: row {row}"))
+            except CorpusError as e:
+                yield e
             row += 1
 
 
-def read_piece(piece: Piece, text_column: str) -> Iterator[Document]:
+def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:
+    """The piece's documents; a bad one (not text, malformed) comes as the CorpusError naming it."""
     if piece.file.kind == "jsonl":
         yield from _read_jsonl(piece, text_column)
     elif piece.file.kind == "parquet":
@@ -343,12 +354,20 @@ def read_piece(piece: Piece, text_column: str) -> Iterator[Document]:
                 raw = f.read()
         except (OSError, EOFError) as e:
             raise CorpusError(f"{piece.file.path} cannot be read: {e}") from e
-        yield Document(piece.file.name, strip_gutenberg(decode(raw, piece.file.path)))
+        try:
+            yield Document(piece.file.name, strip_gutenberg(decode(raw, piece.file.path)))
+        except CorpusError as e:
+            yield e
 
 
-def read_unit(unit: WorkUnit, text_column: str) -> Iterator[Document]:
-    """The unit's non-empty documents, in order."""
+def read_unit(unit: WorkUnit, text_column: str, skipped: list | None = None) -> Iterator[Document]:
+    """The unit's non-empty documents, in order. A bad document stops the read with its CorpusError, or
+    with `skipped` (a list) is left out and its error appended ([corpus] on_bad_input = "skip")."""
     for piece in unit.pieces:
         for doc in read_piece(piece, text_column):
-            if doc.text.strip():
+            if isinstance(doc, CorpusError):
+                if skipped is None:
+                    raise doc
+                skipped.append(str(doc))
+            elif doc.text.strip():
                 yield doc

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from common.config import ConfigError, add_set_argument, load_manifest
+from common.io import FolderLocked
 from common.sources import CorpusError
 from corpus.build import build_corpus, corpus_is_current
 
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
             print(f"corpus: {out} is up to date")
             return 0
         build_corpus(config, out, workers=workers, address=args.address)
-    except (ConfigError, CorpusError) as e:
+    except (ConfigError, CorpusError, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
-from common.io import atomic_path, atomic_write_json, atomic_write_text, remove_stale_tmp, sha256_file
+from common.io import FolderLock, atomic_path, atomic_write_json, atomic_write_text, remove_stale_tmp, sha256_file
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, write_parquet
 from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
                             source_files, work_units)
@@ -70,12 +70,13 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
 
 # --- the two passes over a unit (run in Ray workers; pure functions of their arguments) ---------
 
-def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float, sample_lines: int) -> dict:
+def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float, sample_lines: int,
+              skip_bad: bool = False) -> dict:
     """Pass 1: every document's hash and split, and a seeded reservoir sample of `sample_lines`
     paragraphs of its training documents, as (document index, text)."""
     rng = random.Random(hash((seed, unit.index, 0x5CA)))  # Python ints hash the same in every process
-    hashes, sample, seen = [], [], 0
-    for i, doc in enumerate(read_unit(unit, text_column)):
+    hashes, sample, seen, skipped = [], [], 0, [] if skip_bad else None
+    for i, doc in enumerate(read_unit(unit, text_column, skipped)):
         h = document_hash(doc.text, seed)
         hashes.append(h)
         if is_valid(h, valid_fraction):
@@ -89,7 +90,8 @@ def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float
     sample.sort(key=lambda entry: entry[:2])  # document order
     sample = [(i, k, " ".join(block.split())[:MAX_PARAGRAPH_CHARS]) for i, k, block in sample]
     sample = [entry for entry in sample if entry[2]]
-    return {"unit": unit.index, "hashes": np.asarray(hashes, dtype=np.uint64), "sample": sample}
+    return {"unit": unit.index, "hashes": np.asarray(hashes, dtype=np.uint64), "sample": sample,
+            "skipped": skipped or []}
 
 
 def pack_tokens(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[np.ndarray]:
@@ -127,7 +129,7 @@ def _write_part(out: Path, split: str, unit: int, rows: list[np.ndarray], doc_id
 
 
 def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, valid: np.ndarray,
-              doc_id_start: int, max_seq_len: int, min_seq_len: int) -> dict:
+              doc_id_start: int, max_seq_len: int, min_seq_len: int, skip_bad: bool = False) -> dict:
     """Pass 2: tokenize the unit's kept documents and write its part files (one per non-empty split)."""
     time.sleep(float(os.environ.get(SLOW_ENV, "0")))
     out = Path(out_dir)
@@ -135,7 +137,7 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, 
     rows = {s: [] for s in SPLITS}
     doc_ids = {s: [] for s in SPLITS}
     names, doc_id = [], doc_id_start
-    for i, doc in enumerate(read_unit(unit, text_column)):
+    for i, doc in enumerate(read_unit(unit, text_column, [] if skip_bad else None)):  # the scan's documents
         if not keep[i]:
             continue
         split = "valid" if valid[i] else "train"
@@ -157,11 +159,18 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, 
 def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: str | None, desc: str,
                 on_result) -> None:
     """`fn(unit, *args)` for every job on Ray workers, results handed to `on_result` as they finish;
-    a progress bar in MB/s with an ETA."""
+    a progress bar in MB/s with an ETA. One local worker runs the jobs in this process: the same
+    functions and bytes, without Ray's start-up."""
     import ray
     from tqdm import tqdm
     from common.parallel import start_ray
     if not jobs:
+        return
+    if workers == 1 and not address:
+        with tqdm(total=sum(u.bytes for u, _ in jobs), desc=desc, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
+            for unit, args in jobs:
+                on_result(fn(unit, *args))
+                bar.update(unit.bytes)
         return
     start_ray(address, workers, (SLOW_ENV,))
     remote = ray.remote(num_cpus=1, max_retries=2)(fn)
@@ -194,6 +203,8 @@ def _warm_up(workers: int, address: str | None) -> None:
     """Start Ray and its worker processes with the stage's imports: fixed costs, paid before the passes."""
     import ray
     from common.parallel import start_ray
+    if workers == 1 and not address:
+        return  # the passes run in this process
     start_ray(address, workers, (SLOW_ENV,))
     ray.get([ray.remote(num_cpus=1)(_import_stage).remote() for _ in range(workers)])
 
@@ -208,16 +219,21 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
         with atomic_path(path.with_suffix(".npy")) as tmp:
             with open(tmp, "wb") as f:
                 np.save(f, result["hashes"])
-        atomic_write_json(path.with_suffix(".json"), result["sample"])  # written last: the unit is scanned
+        atomic_write_json(path.with_suffix(".json"), {"sample": result["sample"], "skipped": result["skipped"]})
 
     todo = [u for u in units if not paths[u.index].with_suffix(".json").is_file()]
     lines = config.tokenizer.max_sentences
-    jobs = [(u, (cfg.text_column, config.seed, cfg.valid_fraction, math.ceil(lines * u.bytes / total_bytes)))
+    skip = cfg.on_bad_input == "skip"
+    jobs = [(u, (cfg.text_column, config.seed, cfg.valid_fraction, math.ceil(lines * u.bytes / total_bytes), skip))
             for u in todo]
     log(f"corpus: scanning {len(todo)} of {len(units)} units (hashes, split, tokenizer sample)")
     _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
-    return [{"hashes": np.load(paths[u.index].with_suffix(".npy")),
-             "sample": json.loads(paths[u.index].with_suffix(".json").read_text())} for u in units]
+    scans = [{"hashes": np.load(paths[u.index].with_suffix(".npy")),
+              **json.loads(paths[u.index].with_suffix(".json").read_text())} for u in units]
+    skipped = [message for s in scans for message in s["skipped"]]
+    if skipped:
+        log(f"corpus: skipped {len(skipped)} bad document(s) ([corpus] on_bad_input = 'skip'), e.g. {skipped[0]}")
+    return scans
 
 
 def _decide(scans: list[dict], valid_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray], int]:
@@ -282,7 +298,12 @@ def _part_intact(staging: Path, part: dict) -> bool:
 def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = None, workers: int = 1,
                  address: str | None = None, log=print) -> Path:
     """Build the corpus folder. Nothing changes under `out_dir` unless the whole build succeeds;
-    a rerun after a failure or a kill continues from the staging folder."""
+    a rerun after a failure or a kill continues from the staging folder. One writer at a time."""
+    with FolderLock(Path(out_dir), "python -m corpus"):
+        return _build(config, Path(out_dir), source, workers, address, log)
+
+
+def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, address: str | None, log) -> Path:
     cfg = config.corpus
     source = source or cfg.source
     out_dir = Path(out_dir)
@@ -314,11 +335,12 @@ def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = No
         scans = _scan_all(units, cfg, config, staging, workers, address, total_bytes, log)
         seconds["scan"] = time.time() - t_start - sum(seconds.values())
         keeps, valids, duplicates = _decide(scans, cfg.valid_fraction)
+        skipped = sum(len(s["skipped"]) for s in scans)
         tok = _train_tokenizer(scans, keeps, valids, config, staging, log)
         seconds["tokenizer"] = time.time() - t_start - sum(seconds.values())
         del scans  # the tokenizer sample is no longer needed
         return _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir,
-                                 workers, address, t_start, seconds, log)
+                                 workers, address, t_start, seconds, log, skipped)
     except CorpusError:  # bad input: a rerun would fail the same way until the source changes
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -328,14 +350,14 @@ def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = No
 
 
 def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir, workers,
-                      address, t_start, seconds, log) -> Path:
+                      address, t_start, seconds, log, skipped: int) -> Path:
     cfg, key, total_bytes = config.corpus, build_key(config, files), sum(u.bytes for u in units)
 
     progress = _read_progress(staging)
     done = {u: r for u, r in progress.items() if all(_part_intact(staging, p) for p in r["parts"].values())}
     doc_starts = np.cumsum([0] + [int(k.sum()) for k in keeps])
     jobs = [(u, (cfg.text_column, str(staging), keeps[u.index], valids[u.index], int(doc_starts[u.index]),
-                 cfg.max_seq_len, cfg.min_seq_len)) for u in units if u.index not in done]
+                 cfg.max_seq_len, cfg.min_seq_len, cfg.on_bad_input == "skip")) for u in units if u.index not in done]
 
     def record(result):
         with open(staging / "progress.jsonl", "a") as f:
@@ -352,7 +374,7 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
         "format_version": FORMAT_VERSION, "corpus_format": CORPUS_FORMAT, "build_key": key, "source": source,
         "source_files": len(files), "source_bytes": total_bytes, "units": len(units),
         "max_seq_len": cfg.max_seq_len, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256,
-        "documents": {"read": int(sum(len(k) for k in keeps)), "duplicates": duplicates,
+        "documents": {"read": int(sum(len(k) for k in keeps)), "duplicates": duplicates, "skipped_bad": skipped,
                       "train": int(sum((k & ~v).sum() for k, v in zip(keeps, valids))),
                       "valid": int(sum((k & v).sum() for k, v in zip(keeps, valids)))},
         "config": {"corpus": config_to_dict(config)["corpus"], "tokenizer": config_to_dict(config)["tokenizer"],

@@ -30,7 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from common.batching import attention_mask, pad_rows
-from common.checkpoint import IncompatibleInputs, latest_checkpoint
+from common.checkpoint import IncompatibleInputs, latest_checkpoint, safe_load
 from common.config import ConfigError, ModelConfig, RunConfig, config_from_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text, sha256_file
 from common.model import Encoder, ReplacedTokenDetector, count_parameters, init_weights
@@ -65,7 +65,7 @@ def read_checkpoint(path: Path) -> tuple[Path, dict]:
             raise FileNotFoundError(f"{path} holds no trainer checkpoint (step-*.pt)")
         path, state = found
     elif path.is_file():
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path)
     else:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not isinstance(state, dict) or "model" not in state or "config" not in state:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs
 from common.config import ConfigError, add_set_argument, load_manifest
+from common.io import FolderLocked
 from common.sources import CorpusError
 from common.parallel import default_workers
 from generate.generator import OutputConflict, generate
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
         corpus = Path(args.corpus) if args.corpus else config.corpus_dir
         aux = Path(args.aux) if args.aux else config.aux_dir / AUX_FILE
         generate(config, out, corpus, aux, workers, args.address, args.force)
-    except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError) as e:
+    except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

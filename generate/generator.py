@@ -21,7 +21,7 @@ from pathlib import Path
 from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
 from common.config import RunConfig, config_to_dict, save_resolved
 from common.corpus import SplitRows, load_corpus_meta, term_counts
-from common.io import atomic_write_json, remove_stale_tmp, sha256_file
+from common.io import FolderLock, atomic_write_json, remove_stale_tmp, sha256_file
 from common.shards import FORMAT_VERSION, MANIFEST_FILE, SHARD_SCHEMA
 from common.sources import CorpusError
 from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
@@ -109,7 +109,14 @@ def summarize_epochs(records: list[dict], tasks, curriculum: dict | None = None)
 
 def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path, workers: int,
              address: str | None = None, force: bool = False, log=print) -> dict:
-    """Check inputs, run the missing shards on Ray, write manifest.json last. Returns the manifest."""
+    """Check inputs, run the missing shards on Ray, write manifest.json last. Returns the manifest.
+    One writer per output folder (a lock beside it)."""
+    with FolderLock(out_dir, "python -m generate"):
+        return _generate(config, out_dir, corpus_dir, aux_path, workers, address, force, log)
+
+
+def _generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path, workers: int,
+              address: str | None, force: bool, log) -> dict:
     checked = check_inputs(config, corpus_dir, aux_path, out_dir, force)
     corpus, plan = checked["corpus"], checked["plan"]
     tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed, plan.total_rows)
@@ -125,6 +132,8 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     known = read_progress(out_dir)  # holds the same sizes and hashes as manifest.json
     manifest_path = out_dir / MANIFEST_FILE
     done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir)}
+    for path in sorted(set(known) & {t.path for t in tasks} - set(done)):
+        log(f"generate: {out_dir / path} is missing or damaged (size or sha256 differ from its record); redoing it")
     todo = [t for t in tasks if t.path not in done]
     if manifest_path.is_file() and not todo:
         log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards)")

@@ -174,6 +174,7 @@ def _multi_file_source(tmp_path):
 
 @pytest.mark.slow
 def test_one_and_two_workers_give_the_same_bytes_and_a_rerun_is_current(tmp_path):
+    """1 worker runs the units in this process, 2 on Ray workers: the same files, byte for byte."""
     _multi_file_source(tmp_path)
     config = tiny_config(tmp_path)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -241,3 +242,14 @@ def test_the_piece_reader_starts_a_range_at_the_next_line(tmp_path):
     from common.sources import read_piece
     texts = [d.text for p in (first, second) for d in read_piece(p, "text")]
     assert texts == [f"doc {i}" for i in range(10)]
+
+
+def test_bad_documents_can_be_skipped_and_counted_by_a_manifest_switch(tmp_path):
+    write_text_corpus(tmp_path / "raw", num_docs=4)
+    (tmp_path / "raw" / "bad.txt").write_bytes(b"\x00\x01binary" * 100)
+    (tmp_path / "raw" / "c.jsonl").write_text('{"text": "' + "fine words " * 50 + '"}\n{"text": null}\n{"oops\n')
+    config = tiny_config(tmp_path)
+    config.corpus.on_bad_input = "skip"
+    build_corpus(config, config.corpus_dir, **quiet)
+    meta = load_corpus_meta(config.corpus_dir)
+    assert meta["documents"]["skipped_bad"] == 3 and meta["documents"]["read"] == 5

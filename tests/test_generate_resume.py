@@ -112,6 +112,7 @@ def test_damaged_shard_is_detected_and_regenerated(reference):
     (out / victim).write_bytes(bytes(data))
     result = _run(manifest, out, 1)
     assert "1 to run" in result.stdout
+    assert f"{out / victim} is missing or damaged (size or sha256 differ from its record); redoing it" in result.stdout
     assert _hashes(out) == expected
     result = _run(manifest, out, 1)  # complete and verified: nothing to do, no Ray
     assert "complete and verified" in result.stdout

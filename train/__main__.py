@@ -8,22 +8,44 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from common.checkpoint import IncompatibleInputs
 from common.config import ConfigError, add_set_argument
+from common.io import FolderLocked
 from train.data import DataError
 from train.trainer import train
 
-# Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception).
+# Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception);
+# sleep this many seconds after every step (a run slow enough to be killed from outside).
 KILL_AT_STEP_ENV = "FAST_ELECTRA_TEST_KILL_AT_STEP"
+SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_STEP"
 
 
-def kill_hook():
-    """The after-step hook that `KILL_AT_STEP_ENV` asks for, or None."""
+def test_hook():
+    """The after-step hook that the tests' environment variables ask for, or None."""
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0"))
-    if not kill_at:
+    pause = float(os.environ.get(SLOW_ENV, "0"))
+    if not kill_at and not pause:
         return None
-    return lambda step: os.kill(os.getpid(), signal.SIGKILL) if step == kill_at else None
+
+    def hook(step: int) -> None:
+        time.sleep(pause)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def die_with_parent() -> None:
+    """Under torchrun a worker runs in a session of its own: ask Linux to kill it when its launcher dies
+    (make's kill of the job group), so no trainer outlives the command that started it."""
+    if "LOCAL_RANK" not in os.environ:
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: nothing to ask
 
 
 def main(argv=None) -> int:
@@ -38,9 +60,10 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="Unix time: stop (evaluate, checkpoint) after the first update that ends past it")
     args = parser.parse_args(argv)
+    die_with_parent()
     try:
-        train(args, after_step=kill_hook())
-    except (ConfigError, DataError, IncompatibleInputs) as e:
+        train(args, after_step=test_hook())
+    except (ConfigError, DataError, IncompatibleInputs, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from common.checkpoint import AUX_FILE, latest_checkpoint
 from common.config import ConfigError, RunConfig, load_manifest, save_resolved
-from common.distributed import all_max, all_reduce, barrier, setup_distributed
-from common.io import atomic_write_json, atomic_write_text
+from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
+from common.io import FolderLock, atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
 from train import state
@@ -130,15 +130,28 @@ def nonfinite_error(progress, batch_size: int, ckpt_dir: Path) -> FloatingPointE
 
 def train(args, after_step=None) -> dict:
     """`args`: manifest, data, out, resume (and optionally sets, corpus, aux, deadline). `after_step(step)`
-    is called after every update (the tests' fault injection)."""
+    is called after every update (the tests' fault injection). Rank 0 holds the run folder's lock."""
     rank, world, device = setup_distributed()
     config = load_manifest(args.manifest, getattr(args, "sets", ()))
-    tc = config.train
     run_dir = Path(args.out) if args.out else config.run_dir
+    lock = FolderLock(run_dir, "the trainer").acquire() if rank == 0 else None
+    try:
+        return run(args, config, run_dir, rank, world, device, after_step)
+    finally:
+        if lock:
+            lock.release()
+
+
+def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: torch.device, after_step) -> dict:
+    """The training loop, top to bottom."""
+    tc = config.train
     if tc.batch_size % (world * tc.grad_accum):
         raise ConfigError(f"train.batch_size {tc.batch_size} must be divisible by ranks x grad_accum "
                           f"= {world} x {tc.grad_accum}")
     stream, valid, vocab_size, prior, manifest_hash, data_desc = open_streams(config, args, device)
+    # Every shard's sha256, while the model is built and the step-0 evaluation runs (fast-offline).
+    checking = ThreadPoolExecutor(max_workers=1).submit(stream.verify, rank, world) \
+        if tc.verify_shards and hasattr(stream, "verify") else None
     needed = tc.max_steps * tc.batch_size
     if stream.num_rows < needed and not tc.allow_short_stream:  # never silently fewer steps than asked
         raise DataError(f"{data_desc} holds {stream.num_rows} training rows; train.max_steps {tc.max_steps} x "
@@ -180,6 +193,14 @@ def train(args, after_step=None) -> dict:
               f"{dropped_rows} tail rows dropped; data {data_desc}")
         if "start" not in history:
             history["start"] = {"step": 0, **evaluate(detector, valid, device, autocast)}
+    if checking is not None:
+        problems = checking.result()
+        if any_rank(bool(problems), world):
+            raise DataError(f"damaged shards in {data_desc}, found before the first update: "
+                            + ("; ".join(problems[:5]) if problems else "(on another rank)")
+                            + "; run `make generate-epochs` (it redoes them)")
+    elif is_main and hasattr(stream, "verify"):
+        print("train: train.verify_shards = false: each shard's sha256 is checked when it is first read")
     barrier(world)
 
     def read_step(s: int) -> dict:
@@ -262,7 +283,8 @@ def train(args, after_step=None) -> dict:
         if deadline_hit:
             print(f"train: stopped by --deadline after step {progress.step} of {total_steps}")
         summary = write_summary(run_dir, history, progress.step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
-                                progress.nonfinite_total, device, planned_steps=total_steps)
+                                progress.nonfinite_total, device, planned_steps=total_steps,
+                                corpus=config.corpus.source)
     barrier(world)
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -270,17 +292,17 @@ def train(args, after_step=None) -> dict:
 
 
 def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
-                  tokens_per_s: float, nonfinite: int, device, planned_steps: int) -> dict:
+                  tokens_per_s: float, nonfinite: int, device, planned_steps: int, corpus: str = "") -> dict:
     start, end = history["start"], history.get("last", history["start"])
     consumed = history.get("temperature_consumed", [math.nan, math.nan])
     plot_curves(run_dir)
     summary = {"steps": total_steps, "planned_steps": planned_steps, "dropped_tail_rows": dropped_rows, "start": start,
                "end": end, "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
-               "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir)}
+               "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir), "corpus": corpus}
     atomic_write_json(run_dir / "summary.json", summary)
     lines = [
         "",
-        f"Fast-ELECTRA run: {total_steps} steps on {device}, {tokens_per_s:.0f} tokens/s (this session)",
+        f"Fast-ELECTRA run: {total_steps} steps on {device}, {tokens_per_s:.0f} tokens/s (this session); corpus {corpus}",
         f"  validation (held-out rows, T = 1)   step {start['step']:>6}   step {end['step']:>6}",
         f"    RTD loss                          {start['loss']:>11.4f}   {end['loss']:>11.4f}",
         f"    accuracy                          {start['accuracy']:>11.4f}   {end['accuracy']:>11.4f}",

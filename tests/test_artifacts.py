@@ -1,0 +1,141 @@
+"""Artifacts a user can trust: one writer per folder, damage found before the first update, stale
+corpora rebuilt by content, no trainer outliving its command."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.io import FolderLock, FolderLocked
+from corpus.build import build_corpus, corpus_is_current
+from tests.conftest import ROOT, tiny_config, write_text_corpus
+from train.__main__ import SLOW_ENV
+
+HOLD = "import sys, time; from common.io import FolderLock; FolderLock(sys.argv[1], 'a test writer').acquire(); " \
+       "print('held', flush=True); time.sleep(60)"
+
+
+def _holder(folder, env):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_writer_stops_naming_the_owner_and_a_dead_owners_lock_is_taken_over(tmp_path, env_with_repo):
+    folder = tmp_path / "run"
+    holder = _holder(folder, env_with_repo)
+    try:
+        with pytest.raises(FolderLocked, match=rf"run is being written by a test writer \(pid {holder.pid} on "):
+            FolderLock(folder, "me").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with FolderLock(folder, "me") as lock:  # the owner is gone: taken over
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    assert not lock.path.exists()
+
+
+@pytest.mark.slow
+def test_a_trainer_on_a_locked_run_folder_stops_with_exit_code_2(generated, tmp_path, env_with_repo):
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    holder = _holder(run, env_with_repo)
+    try:
+        result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data),
+                                 "--out", str(run)], cwd=ROOT, env=env_with_repo, capture_output=True, text=True,
+                                timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"is being written by a test writer (pid {holder.pid}" in result.stderr
+    assert not (run / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_of_the_last_epoch_stops_the_trainer_before_step_1(generated, tmp_path, env_with_repo):
+    manifest, data, _ = generated
+    copy = tmp_path / "epochs"
+    shutil.copytree(data, copy)
+    last = json.loads((copy / "manifest.json").read_text())["epochs"][-1]["shards"][-1]["path"]
+    raw = bytearray((copy / last).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, other bytes
+    (copy / last).write_bytes(bytes(raw))
+    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(copy),
+                             "--out", str(tmp_path / "run")], cwd=ROOT, env=env_with_repo, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "found before the first update" in errors[0] and last in errors[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""  # no step was logged
+
+
+@pytest.mark.slow
+def test_killing_the_launchers_process_group_leaves_no_trainer(generated, tmp_path, env_with_repo):
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "train",
+           "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env_with_repo, SLOW_ENV: "1"},  # still training when killed
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    assert (run / "metrics.jsonl").is_file(), "the trainer did not start"
+    os.killpg(proc.pid, signal.SIGKILL)  # what make's kill of the job group does to torchrun
+    proc.wait()
+
+    def trainers():
+        out = subprocess.run(["ps", "-eww", "-o", "pid,args"], capture_output=True, text=True).stdout  # full lines
+        return [line for line in out.splitlines() if str(run) in line and "grep" not in line]
+    for _ in range(50):
+        if not trainers():
+            break
+        time.sleep(0.2)
+    assert trainers() == []
+
+
+def test_an_edited_or_added_source_file_makes_the_corpus_stale(tmp_path):
+    raw = write_text_corpus(tmp_path / "raw", num_docs=4)
+    config = tiny_config(tmp_path)
+    build_corpus(config, config.corpus_dir, log=lambda *_: None)
+    assert corpus_is_current(config, config.corpus_dir, config.corpus.source)
+    with open(raw / "work_01.txt", "a") as f:
+        f.write("\n\nA new paragraph appended to an existing document.\n")
+    assert not corpus_is_current(config, config.corpus_dir, config.corpus.source)
+    build_corpus(config, config.corpus_dir, log=lambda *_: None)
+    assert corpus_is_current(config, config.corpus_dir, config.corpus.source)
+    (raw / "work_99.txt").write_text((raw / "work_02.txt").read_text().upper())
+    assert not corpus_is_current(config, config.corpus_dir, config.corpus.source)
+
+
+@pytest.mark.slow
+def test_switching_corpora_through_make_reuses_what_each_one_built(tmp_path, env_with_repo):
+    """`make train CORPUS=A`, `make train` (the manifest's own source), `make train CORPUS=A` again: each
+    corpus has its own work folder, so the third run rebuilds nothing and completes."""
+    from common.config import dump_toml
+    config = tiny_config(tmp_path / "work")
+    config.train.ckpt_every = config.train.eval_every = 8
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(config))
+    write_text_corpus(tmp_path / "work" / "raw", num_docs=5, seed=1)
+    other = write_text_corpus(tmp_path / "kjv", num_docs=5, seed=2)
+
+    def make(*extra):
+        result = subprocess.run(["make", "train", f"MANIFEST={manifest}", "WORKERS=1", *extra], cwd=ROOT,
+                                env=env_with_repo, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+    first = make(f"CORPUS={other}")
+    assert f"corpus {other}" in first  # the summary names the corpus it trained on
+    make()
+    third = make(f"CORPUS={other}")
+    assert "is up to date" in third and "complete and verified" in third and "resumed from" in third
+    assert f"corpus {other}" in third
