@@ -56,9 +56,9 @@ aux: corpus
 generate-epochs: aux
 	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS))
 
-# One rank runs without the launcher: its errors reach the terminal as one line with exit code 2 (torchrun
-# would wrap them in its own traceback and exit 1), and it dies with make's process group.
-LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC))
+# One rank runs without a launcher (it dies with make's process group); several under torchrun through
+# train/launch.py, so a rank's error ends the command as one line with its exit code (2), not torchrun's 1.
+LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m train.launch --standalone --nproc_per_node $(NPROC))
 
 train: generate-epochs
 	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume
