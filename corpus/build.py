@@ -41,19 +41,6 @@ MAX_PARAGRAPH_CHARS = 8192  # a tokenizer sample line longer than this is cut (S
 SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_UNIT"
 
 
-def pack_document(token_ids: list[int], max_seq_len: int, min_seq_len: int) -> list[list[int]]:
-    """Cut one document's tokens into [CLS] ... [SEP] sequences of at most `max_seq_len`;
-    a last piece shorter than `min_seq_len` (with specials) is dropped. Never crosses documents."""
-    body = max_seq_len - 2
-    rows = []
-    for start in range(0, len(token_ids), body):
-        piece = token_ids[start:start + body]
-        if len(piece) + 2 < min_seq_len:
-            break
-        rows.append([CLS_ID, *piece, SEP_ID])
-    return rows
-
-
 def is_valid(doc_hash: int, valid_fraction: float) -> bool:
     """A document is held out when its hash falls in the first `valid_fraction` of the hash range."""
     return doc_hash < valid_fraction * 2.0**64
@@ -94,8 +81,9 @@ def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float
             "skipped": skipped or []}
 
 
-def pack_tokens(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[np.ndarray]:
-    """`pack_document` on an int32 array: the rows as arrays."""
+def pack_document(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[np.ndarray]:
+    """Cut one document's tokens (int32) into [CLS] ... [SEP] rows of at most `max_seq_len`; a last
+    piece shorter than `min_seq_len` (with specials) is dropped. Never crosses documents."""
     body = max_seq_len - 2
     rows = []
     for start in range(0, len(ids), body):
@@ -141,7 +129,7 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, 
         if not keep[i]:
             continue
         split = "valid" if valid[i] else "train"
-        packed = pack_tokens(tok.encode_flat(paragraphs(doc.text)), max_seq_len, min_seq_len)
+        packed = pack_document(tok.encode_flat(paragraphs(doc.text)), max_seq_len, min_seq_len)
         rows[split] += packed
         doc_ids[split] += [doc_id] * len(packed)
         names.append((doc_id, doc.name, split, len(doc.text)))

@@ -39,10 +39,11 @@ def test_strip_gutenberg_header_and_licence():
 
 
 def test_pack_document_never_exceeds_and_drops_short_tail():
-    rows = pack_document(list(range(10, 40)), max_seq_len=12, min_seq_len=6)
+    rows = pack_document(np.arange(10, 40, dtype=np.int32), max_seq_len=12, min_seq_len=6)
     assert [len(r) for r in rows] == [12, 12, 12]  # 30 tokens = 10 + 10 + 10
-    assert all(r[0] == CLS_ID and r[-1] == SEP_ID for r in rows)
-    rows = pack_document(list(range(10, 33)), max_seq_len=12, min_seq_len=6)
+    assert all(r[0] == CLS_ID and r[-1] == SEP_ID and r.dtype == np.int32 for r in rows)
+    assert np.concatenate([r[1:-1] for r in rows]).tolist() == list(range(10, 40))
+    rows = pack_document(np.arange(10, 33, dtype=np.int32), max_seq_len=12, min_seq_len=6)
     assert [len(r) for r in rows] == [12, 12]  # a 3-token tail (5 with specials) is dropped
 
 
