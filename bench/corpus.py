@@ -7,8 +7,10 @@ Builds a synthetic corpus of at least `--mb` MB from the embedded texts (documen
 sentences, so none is a duplicate), then runs `python -m corpus` on it, measured in one run:
   mb_per_s                source MB/s of the two passes over the corpus (scan + pack) with 2 workers
   mb_per_s_1_worker       the same with 1 worker
-  vs_tokenizer_limit      mb_per_s_1_worker / SentencePiece `encode` MB/s on one thread, same text
-                          (the passes per worker against tokenizing alone; target >= 0.7)
+  vs_tokenizer_limit      mb_per_s_1_worker / SentencePiece `encode` MB/s on one thread over the same
+                          text, timed inside the same run (the seconds the 1-worker pack spent in
+                          `encode`): the passes per worker against tokenizing alone; target >= 0.7.
+                          A separate encode-only pass over 20 MB is kept as a cross-check.
   speedup_2_workers       mb_per_s / mb_per_s_1_worker (target >= 1.7 on 2 cores)
   peak_rss_4x_vs_1x       peak RSS of the whole job (driver, Ray, workers) on a 4x corpus / on 1x
                           (target <= 1.2)
@@ -158,13 +160,15 @@ def main(argv=None) -> int:
         runs["4x_2"] = run_job(manifest, sources[4], Path(tmp) / "c4", 2)
     passes = lambda r: r["seconds"]["scan"] + r["seconds"]["pack"]
     mb1, mb2 = megabytes[1] / passes(runs["1x_1"]), megabytes[1] / passes(runs["1x_2"])
+    limit_in_run = megabytes[1] / runs["1x_1"]["seconds"]["encode_in_pack"]
     fixed_s = max(r["wall_s"] - passes(r) for r in runs.values())
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "corpus_mb": megabytes[1], "corpus_4x_mb": megabytes[4],
-        "mb_per_s": mb2, "mb_per_s_1_worker": mb1, "tokenizer_limit_mb_per_s": limit,
-        "vs_tokenizer_limit": mb1 / limit, "speedup_2_workers": mb2 / mb1,
+        "mb_per_s": mb2, "mb_per_s_1_worker": mb1, "tokenizer_limit_mb_per_s": limit_in_run,
+        "tokenizer_limit_mb_per_s_separate": limit, "vs_tokenizer_limit": mb1 / limit_in_run,
+        "vs_tokenizer_limit_separate": mb1 / limit, "speedup_2_workers": mb2 / mb1,
         "peak_rss_mb_1x": runs["1x_2"]["peak_rss_mb"], "peak_rss_mb_4x": runs["4x_2"]["peak_rss_mb"],
         "peak_rss_4x_vs_1x": runs["4x_2"]["peak_rss_mb"] / runs["1x_2"]["peak_rss_mb"],
         "mb_per_s_4x": megabytes[4] / passes(runs["4x_2"]), "fixed_seconds": fixed_s,
@@ -179,8 +183,10 @@ def main(argv=None) -> int:
           "| measure | value | target |", "|---|---|---|",
           f"| mb_per_s (2 workers, scan + pack) | {mb2:.2f} | |",
           f"| mb_per_s_1_worker | {mb1:.2f} | |",
-          f"| SentencePiece encode alone, 1 thread | {limit:.2f} MB/s | |",
+          f"| SentencePiece encode, 1 thread, same text, same run | {limit_in_run:.2f} MB/s | |",
           f"| vs_tokenizer_limit | {result['vs_tokenizer_limit']:.3f} | >= 0.7 |",
+          f"| cross-check: encode-only pass over 20 MB, and the ratio against it | {limit:.2f} MB/s, "
+          f"{result['vs_tokenizer_limit_separate']:.3f} | |",
           f"| speedup_2_workers | {result['speedup_2_workers']:.3f} | >= 1.7 |",
           f"| peak_rss_4x_vs_1x | {result['peak_rss_4x_vs_1x']:.3f} ({result['peak_rss_mb_4x']:.0f} / "
           f"{result['peak_rss_mb_1x']:.0f} MB) | <= 1.2 |",

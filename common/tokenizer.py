@@ -122,9 +122,8 @@ class Tokenizer:
         return [self.ours_of[np.asarray(ids, dtype=np.int64)].tolist()
                 for ids in self.sp.encode(texts, num_threads=num_threads)]
 
-    def encode_flat(self, texts: list[str]) -> np.ndarray:
-        """The texts' ids one after another as one int32 array (one thread: a worker's own core)."""
-        pieces = self.sp.encode(texts, num_threads=1)
+    def to_ours(self, pieces: list[list[int]]) -> np.ndarray:
+        """SentencePiece's ids of several texts -> ours, one after another, as one int32 array."""
         return self.ours_of32[np.array(list(itertools.chain.from_iterable(pieces)), dtype=np.int32)]
 
     def decode(self, ids) -> str:
