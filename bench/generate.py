@@ -102,21 +102,21 @@ def unigram_entropy_bytes(corpus_dir: Path, vocab_size: int) -> float:
 
 
 def replicate_corpus(corpus_dir: Path, out_dir: Path, times: int) -> Path:
-    """A corpus folder whose training split is `times` copies of the original (same tokenizer),
-    with real `times`-size memory-mapped token files."""
+    """A corpus folder whose training split is `times` copies of the original (same tokenizer): every
+    training part's memory-mapped token and offset files copied `times` times under new names."""
     shutil.copytree(corpus_dir, out_dir)
     meta = json.loads((out_dir / "corpus.json").read_text())
-    parts = meta["train"]["parts"]
-    meta["train"]["parts"] = parts * times  # the same part files, read `times` times
-    meta["train"]["rows"] *= times
-    meta["train"]["tokens"] *= times
-    tokens = np.load(corpus_dir / "train.tokens.npy")
-    offsets = np.load(corpus_dir / "train.offsets.npy")
-    big_offsets = np.concatenate([offsets[:-1] + k * offsets[-1] for k in range(times)] + [[times * offsets[-1]]])
-    for kind, array in (("tokens", np.tile(tokens, times)), ("offsets", big_offsets.astype(np.int64))):
-        path = out_dir / f"train.{kind}.npy"
-        np.save(path, array)
-        meta["train"]["flat"][kind]["bytes"] = path.stat().st_size
+    parts, rows = [], meta["train"]["rows"]
+    for k in range(times):
+        for part in meta["train"]["parts"]:
+            flat = {}
+            for kind, record in part["flat"].items():
+                path = Path(record["path"])
+                copy = path.with_name(f"copy{k}-{path.name}")
+                shutil.copyfile(corpus_dir / path, out_dir / copy)
+                flat[kind] = {**record, "path": str(copy)}
+            parts.append({**part, "flat": flat, "row_start": part["row_start"] + k * rows})
+    meta["train"] = {**meta["train"], "parts": parts, "rows": rows * times, "tokens": meta["train"]["tokens"] * times}
     (out_dir / "corpus.json").write_text(json.dumps(meta))
     return out_dir
 

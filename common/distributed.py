@@ -6,6 +6,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from common.config import ConfigError
+
 
 def setup_distributed() -> tuple[int, int, torch.device]:
     """torchrun sets WORLD_SIZE/RANK; NCCL on GPU, gloo on CPU. Plain `python -m train` is one rank."""
@@ -13,6 +15,11 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda" and local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"rank {rank} (local rank {local_rank}) has no GPU of its own: this machine shows "
+            f"{torch.cuda.device_count()} and ranks cannot share one under NCCL. Start one rank per GPU "
+            f"(NPROC={torch.cuda.device_count()}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU over gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:

@@ -77,6 +77,13 @@ def env_with_repo():
     return env
 
 
+@pytest.fixture
+def gloo_env(env_with_repo):
+    """For several ranks on this one machine: the GPUs hidden, so every rank runs on CPU over gloo
+    (ranks of one machine cannot share a GPU under NCCL; a 1-GPU machine has none for rank 1)."""
+    return {**env_with_repo, "CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.fixture(scope="session")
 def generated(built, tmp_path_factory):
     """Two epochs generated once per session by the real CLI: Ray with 2 CPU workers."""

@@ -142,7 +142,7 @@ def test_switching_corpora_through_make_reuses_what_each_one_built(tmp_path, env
 
 
 @pytest.mark.slow
-def test_with_two_ranks_a_ranks_error_ends_the_command_with_its_exit_code(generated, tmp_path, env_with_repo):
+def test_with_two_ranks_a_ranks_error_ends_the_command_with_its_exit_code(generated, tmp_path, gloo_env):
     manifest, data, _ = generated
     values = json.loads((data / "manifest.json").read_text())
     copy = tmp_path / "epochs"
@@ -153,6 +153,6 @@ def test_with_two_ranks_a_ranks_error_ends_the_command_with_its_exit_code(genera
     (copy / last).write_bytes(bytes(raw))
     result = subprocess.run([sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m",
                              "train", "--manifest", str(manifest), "--data", str(copy), "--out", str(tmp_path / "run")],
-                            cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+                            cwd=ROOT, env=gloo_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "error: damaged shards" in result.stderr and "Traceback" not in result.stderr

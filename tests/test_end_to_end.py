@@ -51,12 +51,12 @@ def test_generation_manifest_matches_the_shards(built, generated):
     assert not list(out.rglob(".*.tmp-*"))
 
 
-def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path, env_with_repo):
+def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path, gloo_env):
     manifest, data, _ = generated
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_with_repo)
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=gloo_env)
     assert result.returncode == 0, result.stderr[-3000:]
     data_manifest = json.loads((data / "manifest.json").read_text())
     steps = data_manifest["total_rows"] // built.train.batch_size
@@ -76,7 +76,7 @@ def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path,
     assert (run / "resolved_manifest.toml").is_file()
 
 
-def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, tmp_path, env_with_repo):
+def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, tmp_path, gloo_env):
     """Same global batch split 1x1, 2 ranks x 1, 1 rank x 2 micro-batches: the same losses
     (dropout off, so the only difference is where the rows are summed)."""
     import dataclasses
@@ -90,7 +90,7 @@ def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, 
         run = tmp_path / f"run{nproc}{accum}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_with_repo)
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=gloo_env)
         assert result.returncode == 0, result.stderr[-3000:]
         records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
         losses[(nproc, accum)] = [r["loss"] for r in records]

@@ -28,7 +28,8 @@ def test_fast_online_feeds_exactly_the_rows_of_the_shards(built, generated):
     manifest, _ = load_data_manifest(data, config)
     torch.set_num_threads(config.generate.threads_per_worker)
     shards = training_stream(data, manifest)
-    online, valid, vocab, _ = online_streams(config, built.corpus_dir, built.aux_dir / AUX_FILE, "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the generator's actors ran (GPU when there is one)
+    online, valid, vocab, _ = online_streams(config, built.corpus_dir, built.aux_dir / AUX_FILE, device)
     assert online.num_rows == shards.num_rows and vocab == manifest["vocab_size"]
     per_epoch, per_shard = manifest["rows_per_epoch"], config.generate.rows_per_shard
     batch = config.train.batch_size

@@ -126,7 +126,8 @@ def _two_nodes(manifest, data, run, env, resume=False):
     return [p.returncode for p in procs], outputs[0]
 
 
-def test_two_nodes_on_loopback_train_and_resume(boundary_setup, tmp_path, env_with_repo):
+def test_two_nodes_on_loopback_train_and_resume(boundary_setup, tmp_path, gloo_env):
+    env_with_repo = gloo_env  # two nodes on one machine: one GPU cannot serve both
     manifest, data, _, boundary_step, _, _ = boundary_setup
     reference = tmp_path / "standalone"  # one node, two ranks: the same world
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",

@@ -80,3 +80,18 @@ def test_set_overrides_any_manifest_key_and_refuses_unknown_ones(tmp_path):
         load_manifest(path, ["train.no_such_key=1"])
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_manifest(path, ["train.lr"])
+
+
+def test_a_rank_without_a_gpu_of_its_own_stops_with_a_clear_error(monkeypatch):
+    """Two ranks on a 1-GPU machine: rank 1 stops naming the GPU count and the ways out, before any
+    CUDA call (seen on an H100 machine as CUDA's 'invalid device ordinal')."""
+    from common.config import ConfigError
+    from common.distributed import setup_distributed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device reached"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match=r"local rank 1\) has no GPU of its own: this machine shows 1 .*NPROC=1.*CUDA_VISIBLE_DEVICES="):
+        setup_distributed()
