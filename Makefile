@@ -29,11 +29,11 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-corpus bench-generate bench-train bench-efficiency bench-flops task finetune finetune-floor plots ablations clean help
+.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor plots ablations clean help
 
 help:
 	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make reproduce"
-	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make clean"
+	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) BUDGET=$(BUDGET)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -109,6 +109,11 @@ bench-efficiency: generate-epochs
 
 bench-corpus: setup
 	$(PY) -m bench.corpus
+
+# The base preset's shape on a GPU (synthetic rows): trainer MFU, fast-offline vs electra, generation vs the
+# aux model's forward, FlexAttention vs SDPA; bench/results/base-gpu.{json,md}. Needs CUDA.
+bench-gpu: setup
+	$(PY) -m bench.gpu --manifest manifests/base.toml
 
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md

@@ -45,10 +45,12 @@ def mlm_batch(rows: list[np.ndarray], mask_prob: float, seed: int, step: int, ro
 @torch.no_grad()
 def evaluate_mlm(model: MaskedLM, rows: list[np.ndarray], mask_prob: float, seed: int, batch_size: int = 64) -> dict:
     model.eval()
+    device = next(model.parameters()).device
     loss_sum, correct, count = 0.0, 0, 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        ids, attn, flags, targets = mlm_batch(chunk, mask_prob, seed, 10**9, range(start, start + len(chunk)))
+        ids, attn, flags, targets = (t.to(device) for t in mlm_batch(chunk, mask_prob, seed, 10**9,
+                                                                     range(start, start + len(chunk))))
         logits = model(ids, attn, flags)
         loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
         correct += (logits.argmax(-1) == targets).sum().item()
@@ -65,12 +67,14 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> 
     valid = SplitRows(corpus_dir, "valid")
     valid_rows = [valid[i] for i in range(min(256, len(valid)))]
     torch.manual_seed(config.seed)
-    model = MaskedLM(config.model, tok.vocab_size, cfg.num_layers)
+    # On a GPU when there is one (fp32; its weights then differ from a CPU run's, as the shards do).
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = MaskedLM(config.model, tok.vocab_size, cfg.num_layers).to(device)
     optimizer = build_optimizer(model, cfg.lr, config.train.betas, config.train.eps, config.train.weight_decay,
                                 config.train.rel_bias_lr_scale)  # no embed_lr_scale: the MLM output is tied to it
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.steps)
     log(f"aux: {count_parameters(model) / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
-        f"{cfg.steps} steps x {cfg.batch_size} rows, lr {cfg.lr}")
+        f"{cfg.steps} steps x {cfg.batch_size} rows, lr {cfg.lr}, on {device.type}")
     start_metrics = evaluate_mlm(model, valid_rows, cfg.mask_prob, config.seed)
     batch_rng = np.random.default_rng([config.seed, 0xA0C])
     t0, tokens = time.time(), 0
@@ -78,7 +82,7 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> 
     for step in bar:
         row_ids = batch_rng.integers(0, len(train_rows), size=cfg.batch_size)
         rows = [train_rows[i] for i in row_ids]
-        ids, attn, flags, targets = mlm_batch(rows, cfg.mask_prob, config.seed, step, row_ids)
+        ids, attn, flags, targets = (t.to(device) for t in mlm_batch(rows, cfg.mask_prob, config.seed, step, row_ids))
         loss = F.cross_entropy(model(ids, attn, flags).float(), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -90,7 +94,7 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> 
     end_metrics = evaluate_mlm(model, valid_rows, cfg.mask_prob, config.seed)
     metrics = {"steps": cfg.steps, "start": start_metrics, "end": end_metrics,
                "tokens_per_s": tokens / (time.time() - t0)}
-    path = save_aux(model, config.model, cfg.num_layers, tok.vocab_size, meta["tokenizer_sha256"], out_dir, metrics)
+    path = save_aux(model.cpu(), config.model, cfg.num_layers, tok.vocab_size, meta["tokenizer_sha256"], out_dir, metrics)
     save_resolved(config, out_dir)
     log(f"aux: valid MLM loss {start_metrics['mlm_loss']:.3f} -> {end_metrics['mlm_loss']:.3f}, "
         f"top-1 {start_metrics['mlm_top1']:.3f} -> {end_metrics['mlm_top1']:.3f}; "

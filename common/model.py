@@ -114,10 +114,13 @@ class Encoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         x = F.dropout(self.ln_embed(self.embed(input_ids)), self.dropout, self.training)
-        # Additive bias: relative positions, and -inf on padded keys.
-        pad = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
+        # Additive bias: relative positions, and -inf on padded keys. In the dtype the layers' q and k
+        # will have: under bf16 autocast a float32 bias sends SDPA to its slow math path (fp32 matmuls;
+        # seen on an H100), a bf16 one to the memory-efficient kernel.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        pad = torch.zeros(attention_mask.shape, dtype=dtype, device=x.device)
         pad = pad.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
-        bias = (self.rel_bias(input_ids.shape[1]).to(x.dtype) + pad)
+        bias = (self.rel_bias(input_ids.shape[1]).to(dtype) + pad)
         for layer in self.layers:
             x = layer(x, bias)
         return self.ln_final(x)
