@@ -8,6 +8,8 @@ RUN      ?=
 NPROC    ?= 1
 WORKERS  ?=
 CORPUS   ?=
+# AUX=hf:PATH: an existing masked LM in a local Hugging Face directory as the aux model (needs `pip install -e '.[hf]'`)
+AUX      ?=
 SWEEP    ?=
 TASK     ?= rotten_tomatoes
 FT_ARGS  ?=
@@ -23,8 +25,11 @@ MANIFEST_WORK := $(shell sed -n 's/^work_dir *= *"\(.*\)"/\1/p' $(MANIFEST) 2>/d
 # Your own corpus (CORPUS=...) gets a work folder of its own for everything made from it (corpus, aux model,
 # shards, runs), so switching corpora back and forth reuses what each one built.
 CORPUS_ID := $(if $(CORPUS),$(notdir $(abspath $(CORPUS)))-$(shell printf '%s' '$(abspath $(CORPUS))' | sha256sum | cut -c1-8))
-WORK   := $(if $(CORPUS),$(MANIFEST_WORK)/corpora/$(CORPUS_ID),$(MANIFEST_WORK))
-SETS   := $(if $(CORPUS),--set corpus.source=$(abspath $(CORPUS)) --set work_dir=$(WORK) --set shared_dir=)
+# An hf: aux model brings its tokenizer, so everything made with it gets a folder of its own too.
+AUX_ID := $(if $(AUX),$(notdir $(patsubst hf:%,%,$(AUX)))-$(shell printf '%s' '$(AUX)' | sha256sum | cut -c1-8))
+WORK   := $(if $(CORPUS),$(MANIFEST_WORK)/corpora/$(CORPUS_ID),$(MANIFEST_WORK))$(if $(AUX),/aux-models/$(AUX_ID))
+SETS   := $(if $(CORPUS),--set corpus.source=$(abspath $(CORPUS))) $(if $(AUX),--set aux.source=$(AUX)) \
+          $(if $(CORPUS)$(AUX),--set work_dir=$(WORK) --set shared_dir=)
 DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
@@ -42,7 +47,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
 	else $(PY) -m pip install --quiet torch==2.13.0; fi
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

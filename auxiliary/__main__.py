@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from auxiliary.mlm import aux_is_current, train_aux
+from auxiliary.mlm import aux_is_current, train_aux, use_hf_aux
 from common.checkpoint import AUX_FILE
 from common.config import ConfigError, add_set_argument, load_manifest
 from common.sources import CorpusError
@@ -31,9 +31,12 @@ def main(argv=None) -> int:
         if not args.force and aux_is_current(config, corpus, out):
             print(f"aux: {out / AUX_FILE} is up to date (use --force to retrain)")
             return 0
+        if config.aux.source:
+            use_hf_aux(config, corpus, out)
+            return 0
         torch.set_num_threads(max(1, torch.get_num_threads()))
         train_aux(config, corpus, out)
-    except (ConfigError, CorpusError, FileNotFoundError) as e:
+    except (ConfigError, CorpusError, FileNotFoundError, ValueError) as e:  # ValueError: common.hf.HFError
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

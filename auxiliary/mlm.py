@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common.batching import attention_mask, pad_rows
-from common.checkpoint import AUX_FILE, read_aux_meta, save_aux
+from common.checkpoint import AUX_FILE, read_aux_meta, save_aux, save_hf_aux
 from common.io import sha256_file
 from common.config import RunConfig, save_resolved
 from common.corpus import SplitRows, load_corpus_meta
@@ -25,7 +25,7 @@ from common.sources import CorpusError
 from common.curriculum import mask_for_mlm, row_rng
 from common.model import MaskedLM, count_parameters
 from common.optim import build_optimizer, build_scheduler
-from common.tokenizer import Tokenizer
+from common.tokenizer import open_tokenizer
 
 
 def mlm_batch(rows: list[np.ndarray], mask_prob: float, seed: int, step: int, row_ids) -> tuple:
@@ -62,7 +62,7 @@ def evaluate_mlm(model: MaskedLM, rows: list[np.ndarray], mask_prob: float, seed
 def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> Path:
     cfg = config.aux
     meta = load_corpus_meta(corpus_dir)
-    tok = Tokenizer(Path(corpus_dir) / "tokenizer.model")
+    tok = open_tokenizer(corpus_dir)
     train_rows = SplitRows(corpus_dir, "train")  # memory-mapped: flat memory in corpus size
     valid = SplitRows(corpus_dir, "valid")
     valid_rows = [valid[i] for i in range(min(256, len(valid)))]
@@ -102,6 +102,29 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> 
     return path
 
 
+def use_hf_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> Path:
+    """`[aux] source = "hf:PATH"`: nothing to train. Check that the model loads as a masked LM, that its
+    tokenizer is the corpus's and that the rows fit its positions; record it (common/checkpoint.py)."""
+    from common import hf
+    source = hf.hf_dir(config.aux.source)
+    meta = load_corpus_meta(corpus_dir)
+    tok = open_tokenizer(corpus_dir)
+    if getattr(tok, "source", None) != str(source):
+        raise CorpusError(f"the corpus in {corpus_dir} was not tokenized with the tokenizer of {source}; "
+                          f"rebuild it with the same [aux] source (`make corpus`)")
+    model = hf.HFMaskedLM(source, tok.hf_of)  # refuses a directory without a masked-LM head
+    if config.corpus.max_seq_len > model.max_positions:
+        raise CorpusError(f"corpus.max_seq_len = {config.corpus.max_seq_len} is beyond the {model.max_positions} "
+                          f"positions of the aux model in {source}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = save_hf_aux(source, tok.hf_of.tolist(), tok.reserved, meta["tokenizer_sha256"], out_dir,
+                       hf.files_sha256(source, hf.MODEL_FILES))
+    save_resolved(config, out_dir)
+    log(f"aux: {type(model.model).__name__} from {source} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+        f"parameters), vocabulary {tok.vocab_size} of which {tok.reserved} never sampled -> {path}")
+    return path
+
+
 def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
     """True if aux.pt matches its aux.json, the current corpus's tokenizer and the manifest's sizes."""
     try:
@@ -109,6 +132,13 @@ def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
         corpus = load_corpus_meta(corpus_dir)
     except (FileNotFoundError, CorpusError):
         return False
+    if config.aux.source or meta.get("kind") == "hf":
+        from common import hf
+        source = hf.hf_dir(config.aux.source)
+        return (meta.get("kind") == "hf" and source is not None and meta["source"] == str(source)
+                and meta["tokenizer_sha256"] == corpus["tokenizer_sha256"]
+                and meta["model_sha256"] == hf.files_sha256(source, hf.MODEL_FILES)
+                and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
     return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
             and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps
             and sha256_file(out_dir / AUX_FILE) == meta["sha256"])

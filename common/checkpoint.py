@@ -78,6 +78,24 @@ def check_aux_matches_tokenizer(aux_meta: dict, aux_path, vocab_size: int, token
                                  f"{aux_meta['tokenizer_sha256'][:12]} but {tok_path} has {tokenizer_sha256[:12]}")
 
 
+def save_hf_aux(source: Path, hf_id_of: list[int], reserved: int, tokenizer_sha256: str, out_dir: str | Path,
+                model_sha256: str) -> Path:
+    """An hf: aux model's record in place of weights: where it is, the hash of its files (so the record's own
+    sha256, which names the aux model in the generation key, changes when they do) and our id order."""
+    out_dir = Path(out_dir)
+    path = out_dir / AUX_FILE
+    payload = {"format_version": 2, "kind": "hf", "source": str(source), "model_sha256": model_sha256,
+               "hf_id_of": hf_id_of, "reserved": reserved, "vocab_size": len(hf_id_of),
+               "tokenizer_sha256": tokenizer_sha256}
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+    atomic_write_json(out_dir / AUX_META, {"sha256": sha256_file(path), "kind": "hf", "source": str(source),
+                                           "vocab_size": len(hf_id_of), "reserved": reserved,
+                                           "tokenizer_sha256": tokenizer_sha256, "model_sha256": model_sha256,
+                                           "num_layers": None, "hidden_size": None, "steps": 0, "metrics": {}})
+    return path
+
+
 def load_aux(path: str | Path, map_location="cpu") -> tuple[MaskedLM, dict]:
     """Load the frozen auxiliary MLM (eval mode, no grad). Checks the file's sha256."""
     path = Path(path)
@@ -86,6 +104,14 @@ def load_aux(path: str | Path, map_location="cpu") -> tuple[MaskedLM, dict]:
     if digest != meta["sha256"]:
         raise IncompatibleInputs(f"auxiliary model {path} has sha256 {digest[:12]}, {AUX_META} says {meta['sha256'][:12]}")
     payload = safe_load(path, map_location)
+    if payload.get("kind") == "hf":
+        from common import hf
+        source = Path(payload["source"])
+        if hf.files_sha256(source, hf.MODEL_FILES) != payload["model_sha256"]:
+            raise IncompatibleInputs(f"the aux model in {source} changed since {path} recorded it; run `make aux` again")
+        model = hf.HFMaskedLM(source, payload["hf_id_of"])
+        model.to(map_location).eval().requires_grad_(False)
+        return model, {**meta, "sha256": digest}
     model = MaskedLM(ModelConfig(**payload["model_config"]), payload["vocab_size"], payload["num_layers"])
     model.load_state_dict(payload["state_dict"])
     model.to(map_location).eval().requires_grad_(False)

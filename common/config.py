@@ -99,6 +99,10 @@ class ModelConfig:
 
 @dataclass
 class AuxConfig:
+    source: str = ""
+    """Empty: `make aux` trains our own auxiliary MLM on the corpus. `hf:PATH`: an existing masked LM in a
+    local Hugging Face directory (common/hf.py); its tokenizer then tokenizes the corpus, and the sizes
+    below do not apply."""
     num_layers: int = 2
     """Depth of the auxiliary MLM (paper: 4 base, 6 large; same width as the main model)."""
     steps: int = 300
@@ -113,6 +117,8 @@ class AuxConfig:
     """Fraction of non-special tokens masked per sequence."""
 
     def __post_init__(self):
+        if self.source and not self.source.startswith("hf:"):
+            raise ConfigError(f"aux.source must be empty (train our own) or hf:PATH, got {self.source!r}")
         if self.num_layers < 1 or self.steps < 1 or self.batch_size < 1:
             raise ConfigError("aux.num_layers, aux.steps and aux.batch_size must be >= 1")
         if not 0.0 < self.mask_prob < 1.0:

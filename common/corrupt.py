@@ -21,7 +21,7 @@ from common.corpus import term_counts
 from common.curriculum import row_draws, rtd_labels
 from common.distributions import (aux_log_probs, log_interpolation, sample_from_log_weights, sample_temperature,
                                   smoothed_one_hot_log_probs, term_frequency_log_probs, uniform_log_probs)
-from common.tokenizer import MASK_ID
+from common.tokenizer import MASK_ID, SPECIAL_IDS
 
 
 def needs_term_counts(distribution: str, augmentation: str) -> bool:
@@ -41,6 +41,7 @@ class Corruptor:
         self.seed, self.mask_prob, self.batch_tokens = seed, mask_prob, batch_tokens
         self.distribution, self.augmentation, self.soh_alpha = distribution, augmentation, soh_alpha
         self.vocab_size = int(self.aux_meta["vocab_size"])
+        self.reserved = int(self.aux_meta.get("reserved") or len(SPECIAL_IDS))  # never sampled (common/hf.py)
         self.log_tf = None if term_counts is None else term_frequency_log_probs(term_counts, self.device)
         if self.log_tf is None and needs_term_counts(distribution, augmentation):
             raise ValueError(f"distribution {distribution!r} / augmentation {augmentation!r} needs term counts")
@@ -106,16 +107,16 @@ class Corruptor:
         augmentation = "temperature" if gammas is None else self.augmentation
         if distribution != "aux":
             log_w = self._model_free(distribution, torch.from_numpy(originals).to(self.device), per_position(gammas))
-            return sample_from_log_weights(log_w, uniforms), None
+            return sample_from_log_weights(log_w, uniforms, self.reserved), None
         rates = {}
         if augmentation in ("dropout", "attention_dropout"):
             rates[augmentation] = torch.from_numpy(gammas[batch].astype(np.float32)).to(self.device)
             rates["generator"] = batch_generator(self.seed, epoch, row_ids[batch], self.device)
         logits = self.aux_logits(ids, attn, flags, **rates)
         if augmentation == "tf_interpolation":
-            log_w = log_interpolation(self.log_tf, aux_log_probs(logits), per_position(gammas))
-            return sample_from_log_weights(log_w, uniforms), logits
-        return sample_temperature(logits, per_position(temperatures), uniforms), logits
+            log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), per_position(gammas))
+            return sample_from_log_weights(log_w, uniforms, self.reserved), logits
+        return sample_temperature(logits, per_position(temperatures), uniforms, self.reserved), logits
 
     def prepare(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, gammas: np.ndarray | None = None):
         """The CPU half of a call (per-row masking and uniforms, padded inputs on the device); it needs

@@ -25,27 +25,32 @@ from common.tokenizer import SPECIAL_IDS
 
 TEMPERATURE_RANGE = (1e-30, 1e30)
 assert SPECIAL_IDS == tuple(range(len(SPECIAL_IDS)))  # the special tokens are the first columns
+# An hf: tokenizer (common/hf.py) puts its other special tokens and unused entries right after them:
+# the `reserved` first columns are never sampled.
 
 
-def _specials(device) -> torch.Tensor:
-    return torch.tensor(SPECIAL_IDS, device=device)
+RESERVED = len(SPECIAL_IDS)  # ids below this are never a replacement; an hf: tokenizer reserves more
 
 
-def non_special(vocab_size: int, device="cpu") -> torch.Tensor:
+def _specials(device, reserved: int = RESERVED) -> torch.Tensor:
+    return torch.arange(reserved, device=device)
+
+
+def non_special(vocab_size: int, device="cpu", reserved: int = RESERVED) -> torch.Tensor:
     """Bool (V,): True for the tokens a replacement may be."""
     keep = torch.ones(vocab_size, dtype=torch.bool, device=device)
-    keep[list(SPECIAL_IDS)] = False
+    keep[:reserved] = False
     return keep
 
 
-def aux_log_probs(logits: torch.Tensor) -> torch.Tensor:
+def aux_log_probs(logits: torch.Tensor, reserved: int = RESERVED) -> torch.Tensor:
     """log p_aux over the non-special tokens, fp32, from aux logits of any float dtype (paper eq. 1)."""
-    x = logits.float().index_fill(1, _specials(logits.device), float("-inf"))  # a new tensor
-    if not torch.isfinite(x[:, len(SPECIAL_IDS):]).all():  # an fp16/bf16 overflow or a broken model
+    x = logits.float().index_fill(1, _specials(logits.device, reserved), float("-inf"))  # a new tensor
+    if not torch.isfinite(x[:, reserved:]).all():  # an fp16/bf16 overflow or a broken model
         x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
         dead = ~torch.isfinite(x).any(dim=-1)
         if dead.any():
-            x[dead] = torch.where(non_special(x.shape[1], x.device), 0.0, float("-inf"))
+            x[dead] = torch.where(non_special(x.shape[1], x.device, reserved), 0.0, float("-inf"))
     return torch.log_softmax(x, dim=-1)
 
 
@@ -110,9 +115,10 @@ def replacement_probs(log_weights: torch.Tensor) -> torch.Tensor:
     return _uniform_rows(probs, dead) if dead.any() else probs
 
 
-def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor,
+                 reserved: int = RESERVED) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, rows without mass). Five passes over (K, V), in place on `log_weights`."""
-    log_weights.index_fill_(1, _specials(log_weights.device), float("-inf"))
+    log_weights.index_fill_(1, _specials(log_weights.device, reserved), float("-inf"))
     log_weights -= log_weights.max(dim=-1, keepdim=True).values
     weights = log_weights.exp_()  # unnormalised probabilities, the largest is 1
     cdf = torch.cumsum(weights, dim=-1)
@@ -128,23 +134,24 @@ def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[tor
     return idx, ~(cdf[:, -1] > 0)  # NaN (inf - inf, a NaN input) or no mass at all
 
 
-def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor, reserved: int = RESERVED) -> torch.Tensor:
     """One token per row of (K, V) fp32 log-weights, by inverse CDF with `uniforms` (K,) in [0, 1).
-    Deterministic, never a special token, always in [0, V); a row without mass is sampled uniformly.
-    `log_weights` is overwritten."""
-    idx, dead = _inverse_cdf(log_weights, uniforms)
+    Deterministic, never a special (reserved) token, always in [0, V); a row without mass is sampled
+    uniformly. `log_weights` is overwritten."""
+    idx, dead = _inverse_cdf(log_weights, uniforms, reserved)
     if dead.any():
-        flat = torch.where(non_special(log_weights.shape[1], log_weights.device), 0.0, float("-inf"))
-        idx[dead] = _inverse_cdf(flat.repeat(int(dead.sum()), 1), uniforms[dead])[0]
+        flat = torch.where(non_special(log_weights.shape[1], log_weights.device, reserved), 0.0, float("-inf"))
+        idx[dead] = _inverse_cdf(flat.repeat(int(dead.sum()), 1), uniforms[dead], reserved)[0]
     return idx
 
 
-def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
+                       reserved: int = RESERVED) -> torch.Tensor:
     """Paper section 3, eq. 1: x_hat ~ Softmax(log p_aux / T) = Softmax(logits / T), one T per row.
     `logits` (any float dtype) are left intact; rows the fast form leaves without mass are redone
     from the stable log p_aux."""
-    idx, dead = _inverse_cdf(temperature_scaled(logits.float(), temperature), uniforms)
+    idx, dead = _inverse_cdf(temperature_scaled(logits.float(), temperature), uniforms, reserved)
     if dead.any():
-        stable = temperature_scaled(aux_log_probs(logits[dead]), temperature[dead])
-        idx[dead] = sample_from_log_weights(stable, uniforms[dead])
+        stable = temperature_scaled(aux_log_probs(logits[dead], reserved), temperature[dead])
+        idx[dead] = sample_from_log_weights(stable, uniforms[dead], reserved)
     return idx

@@ -107,9 +107,15 @@ class Tokenizer:
             if self.sp.id_to_piece(int(self.sp_of[idx])) != piece:
                 raise ValueError(f"tokenizer {self.path}: id {idx} is not {piece!r}")
 
+    reserved = len(SPECIAL_IDS)  # ids never sampled as replacements (an hf: tokenizer reserves more)
+
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
+
+    def encode_native(self, texts: list[str]) -> list[list[int]]:
+        """SentencePiece's own ids, one thread (the corpus stage's workers are the parallelism)."""
+        return self.sp.encode(texts, num_threads=1)
 
     def piece(self, idx: int) -> str:
         return self.sp.id_to_piece(int(self.sp_of[idx]))
@@ -128,3 +134,16 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self.sp.decode(self.sp_of[np.asarray(ids, dtype=np.int64)].tolist())
+
+
+def open_tokenizer(folder: str | Path):
+    """The tokenizer a corpus folder was built with: ours (SentencePiece), or an hf: aux model's
+    (common/hf.py), by what its tokenizer.json says."""
+    folder = Path(folder)
+    meta_path = folder / META_FILE
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("kind") == "hf":
+            from common.hf import HFTokenizer
+            return HFTokenizer(folder, meta)
+    return Tokenizer(folder / MODEL_FILE)

@@ -33,7 +33,8 @@ from common.io import FolderLock, atomic_path, atomic_write_json, atomic_write_t
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, write_parquet
 from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
                             source_files, work_units)
-from common.tokenizer import CLS_ID, SEP_ID, Tokenizer, train_tokenizer
+from common import hf
+from common.tokenizer import CLS_ID, META_FILE, SEP_ID, SPECIAL_IDS, Tokenizer, open_tokenizer, train_tokenizer
 
 SPLITS = ("train", "valid")
 MAX_PARAGRAPH_CHARS = 8192  # a tokenizer sample line longer than this is cut (SentencePiece skips long ones)
@@ -52,6 +53,9 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
     blob = {"format": CORPUS_FORMAT, "files": [[f.name, f.size, f.mtime_ns] for f in files],
             "corpus": {k: v for k, v in config_to_dict(config)["corpus"].items() if k != "source"},
             "tokenizer": config_to_dict(config)["tokenizer"], "seed": config.seed}
+    source = hf.hf_dir(config.aux.source)
+    if source is not None:  # an hf: aux model's tokenizer: its files are the tokenizer
+        blob["tokenizer"] = {"hf": hf.files_sha256(source, None)}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
@@ -121,7 +125,7 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, 
     """Pass 2: tokenize the unit's kept documents and write its part files (one per non-empty split)."""
     time.sleep(float(os.environ.get(SLOW_ENV, "0")))
     out = Path(out_dir)
-    tok = Tokenizer(out / "tokenizer.model")
+    tok = open_tokenizer(out)
     rows = {s: [] for s in SPLITS}
     doc_ids = {s: [] for s in SPLITS}
     names, doc_id, encode_s = [], doc_id_start, 0.0
@@ -131,7 +135,7 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, 
         split = "valid" if valid[i] else "train"
         texts = paragraphs(doc.text)
         t0 = time.perf_counter()
-        pieces = tok.sp.encode(texts, num_threads=1)  # SentencePiece alone, timed: bench-corpus's limit
+        pieces = tok.encode_native(texts)  # the tokenizer alone, timed: bench-corpus's limit
         encode_s += time.perf_counter() - t0
         packed = pack_document(tok.to_ours(pieces), max_seq_len, min_seq_len)
         rows[split] += packed
@@ -251,13 +255,18 @@ def _decide(scans: list[dict], valid_fraction: float) -> tuple[list[np.ndarray],
 
 
 def _train_tokenizer(scans, keeps, valids, config: RunConfig, staging: Path, log) -> Tokenizer:
-    meta = staging / "tokenizer.json"
+    meta = staging / META_FILE
     if meta.is_file():
         try:
-            return Tokenizer(staging / "tokenizer.model")
+            return open_tokenizer(staging)
         except (ValueError, FileNotFoundError):
             pass
     lines = [text for s, k, v in zip(scans, keeps, valids) for i, _, text in s["sample"] if k[i] and not v[i]]
+    source = hf.hf_dir(config.aux.source)
+    if source is not None:  # the aux model's own tokenizer, renumbered by frequency in the sample
+        log(f"corpus: the tokenizer of {source}, ordered on {len(lines)} sampled paragraphs")
+        hf.build_tokenizer(source, lines, staging, META_FILE)
+        return open_tokenizer(staging)
     vocab = config.tokenizer.vocab_size
     log(f"corpus: training the tokenizer on {len(lines)} sampled paragraphs ({sum(map(len, lines)) / 1e6:.1f}M chars)")
     try:
@@ -265,7 +274,7 @@ def _train_tokenizer(scans, keeps, valids, config: RunConfig, staging: Path, log
     except RuntimeError as e:  # SentencePiece: too little text for the vocabulary, among others
         raise CorpusError(f"the tokenizer cannot be trained on this corpus ({len(lines)} paragraphs, "
                           f"{sum(map(len, lines))} characters) with tokenizer.vocab_size = {vocab}: {e}") from e
-    return Tokenizer(staging / "tokenizer.model")
+    return open_tokenizer(staging)
 
 
 def _read_progress(staging: Path) -> dict[int, dict]:
@@ -287,6 +296,22 @@ def _part_intact(staging: Path, part: dict) -> bool:
                for p, n, h in files)
 
 
+def check_hf_aux(config: RunConfig) -> None:
+    """An hf: aux model is checked before any work: its tokenizer loads and has the specials a masked LM
+    needs, and the rows fit its positions."""
+    path = hf.hf_dir(config.aux.source)
+    if path is None:
+        return
+    try:
+        hf.special_hf_ids(hf.load_hf_tokenizer(path), path)
+        limit = hf.max_positions(hf.transformers().AutoConfig.from_pretrained(str(path), local_files_only=True))
+    except (OSError, ValueError) as e:
+        raise CorpusError(str(e)) from None
+    if limit and config.corpus.max_seq_len > limit:
+        raise CorpusError(f"corpus.max_seq_len = {config.corpus.max_seq_len} is beyond the {limit} positions of "
+                          f"the aux model in {path}; set corpus.max_seq_len <= {limit}")
+
+
 def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = None, workers: int = 1,
                  address: str | None = None, log=print) -> Path:
     """Build the corpus folder. Nothing changes under `out_dir` unless the whole build succeeds;
@@ -300,6 +325,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     source = source or cfg.source
     out_dir = Path(out_dir)
     t_start = time.time()
+    check_hf_aux(config)
     files = source_files(source, cache_dir=out_dir.parent / "downloads")
     units = work_units(files, max(1, int(cfg.unit_mb * 2**20)))
     total_bytes = sum(u.bytes for u in units)
@@ -369,6 +395,7 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
         "format_version": FORMAT_VERSION, "corpus_format": CORPUS_FORMAT, "build_key": key, "source": source,
         "source_files": len(files), "source_bytes": total_bytes, "units": len(units),
         "max_seq_len": cfg.max_seq_len, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256,
+        **({"reserved_ids": tok.reserved} if tok.reserved != len(SPECIAL_IDS) else {}),
         "documents": {"read": int(sum(len(k) for k in keeps)), "duplicates": duplicates, "skipped_bad": skipped,
                       "train": int(sum((k & ~v).sum() for k, v in zip(keeps, valids))),
                       "valid": int(sum((k & v).sum() for k, v in zip(keeps, valids)))},

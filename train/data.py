@@ -51,7 +51,7 @@ def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, s
     if not path.is_file():
         raise DataError(f"{path} does not exist: run `make generate-epochs` (an unfinished generation has no manifest)")
     manifest = json.loads(path.read_text())
-    if manifest["vocab_size"] != config.tokenizer.vocab_size:
+    if not config.aux.source and manifest["vocab_size"] != config.tokenizer.vocab_size:  # hf: its tokenizer's size
         raise IncompatibleInputs(f"shards in {data_dir} have vocabulary {manifest['vocab_size']} but the manifest "
                                  f"config has tokenizer.vocab_size = {config.tokenizer.vocab_size}")
     if manifest["max_seq_len"] != config.corpus.max_seq_len:

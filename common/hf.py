@@ -1,0 +1,204 @@
+"""An existing Hugging Face masked LM as the auxiliary model (paper section 3: the auxiliary model is
+"an existing language model, which can either be retrieved from a public repository or from a previous
+training round"): a local directory as `save_pretrained` or a hub download leaves it (`config.json`,
+weights, tokenizer files), named `hf:PATH` in `[aux] source`. Loaded offline with transformers' Auto
+classes; transformers is an optional extra (`pip install -e '.[hf]'`), imported only here, only then.
+
+Its tokenizer becomes the whole chain's, renumbered into our id space the way our SentencePiece
+tokenizer is (common/tokenizer.py): ids 0-4 are its [PAD] [UNK] [CLS] [SEP] [MASK] (RoBERTa's
+<pad> <unk> <s> </s> <mask>), then a reserved block of its other special tokens and unused entries
+([unusedN]), then every other entry by descending frequency in the corpus sample (compact shards).
+Replacements are never sampled from ids below `reserved` (common/distributions.py), and the aux
+model's logit rows past the tokenizer's length never reach the sampler: `HFMaskedLM` gathers the
+columns of our ids only, at masked positions only (the head runs on (masked positions, hidden), never
+on batch x length x vocabulary).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.io import atomic_write_json, sha256_file
+
+PREFIX = "hf:"
+TOKENIZER_DIR = "hf_tokenizer"  # the tokenizer's own files, copied into the corpus folder
+UNUSED = re.compile(r"^(\[unused\d+\]|<unused\d+>)$")
+MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spm.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+class HFError(ValueError):
+    """A Hugging Face directory that cannot serve as the auxiliary model (said with its path)."""
+
+
+def hf_dir(source: str) -> Path | None:
+    """`hf:PATH` -> PATH; anything else (our own aux model) -> None."""
+    return Path(source[len(PREFIX):]).expanduser() if source.startswith(PREFIX) else None
+
+
+def transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is looked up on the hub, ever
+    try:
+        import transformers as module
+    except ImportError:
+        raise HFError("an hf: auxiliary model needs the optional extra: pip install -e '.[hf]' "
+                      "(transformers, tokenizers, safetensors)") from None
+    module.utils.logging.set_verbosity_error()
+    return module
+
+
+def load_hf_tokenizer(path: Path):
+    if not path.is_dir():
+        raise HFError(f"{path} is not a directory (hf: takes a local folder as save_pretrained writes it)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        # transformers 5 would build an empty tokenizer of the model's type (its special tokens alone)
+        raise HFError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    try:
+        tok = transformers().AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise HFError(f"{path} holds no tokenizer transformers can load ({str(e).splitlines()[0][:200]})") from None
+    return tok
+
+
+def special_hf_ids(tok, path: Path) -> list[int]:
+    """The tokenizer's [PAD] [UNK] [CLS] [SEP] [MASK] (bos / eos where it has no cls / sep), in our order."""
+    found = {"pad": tok.pad_token_id, "unk": tok.unk_token_id,
+             "cls": tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id,
+             "sep": tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id,
+             "mask": tok.mask_token_id}
+    missing = [name for name, idx in found.items() if idx is None]
+    if missing:
+        raise HFError(f"the tokenizer in {path} has no {' / '.join(missing)} token: a masked LM's tokenizer needs "
+                      f"pad, unk, cls (or bos), sep (or eos) and mask")
+    if len(set(found.values())) != 5:
+        raise HFError(f"the tokenizer in {path} gives two of pad / unk / cls / sep / mask the same id: {found}")
+    return list(found.values())
+
+
+def reserved_hf_ids(tok, specials: list[int]) -> list[int]:
+    """Every other special token and unused entry: never masked into, never sampled."""
+    vocab = tok.get_vocab()
+    others = set(tok.all_special_ids) | {idx for piece, idx in vocab.items() if UNUSED.match(piece)}
+    return sorted(others - set(specials))
+
+
+def files_sha256(folder: Path, names=None) -> str:
+    """One hash over the named files of a folder (all its files when `names` is None), names included."""
+    paths = sorted(p for p in folder.iterdir() if p.is_file() and (names is None or p.name in names))
+    return hashlib.sha256(json.dumps([[p.name, sha256_file(p)] for p in paths]).encode()).hexdigest()
+
+
+def build_tokenizer(source: Path, lines: list[str], out_dir: Path, meta_file: str) -> None:
+    """The corpus stage's tokenizer step for an hf: aux model: copy its tokenizer into `out_dir`, count its
+    pieces on the corpus sample, write our id order (`meta_file`, beside the SentencePiece one's name)."""
+    tok = load_hf_tokenizer(source)
+    tok.save_pretrained(str(out_dir / TOKENIZER_DIR))
+    specials = special_hf_ids(tok, source)
+    reserved = reserved_hf_ids(tok, specials)
+    size = len(tok)
+    counts = np.zeros(size, dtype=np.int64)
+    for start in range(0, len(lines), 1024):
+        for ids in tok(lines[start:start + 1024], add_special_tokens=False)["input_ids"]:
+            counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=size)[:size]
+    head = specials + reserved
+    keys = counts.astype(np.float64)
+    keys[head] = np.inf  # placed first, by hand
+    rest = [int(i) for i in np.argsort(-keys, kind="stable") if i not in set(head)]
+    hf_of = head + rest
+    files = files_sha256(out_dir / TOKENIZER_DIR)
+    atomic_write_json(out_dir / meta_file, {
+        "kind": "hf", "source": str(source), "vocab_size": size, "reserved": len(head), "hf_id_of": hf_of,
+        "files_sha256": files, "sha256": hashlib.sha256(json.dumps({"files": files, "order": hf_of}).encode()).hexdigest(),
+        "special": dict(zip(("pad", "unk", "cls", "sep", "mask"), specials))})
+
+
+class HFTokenizer:
+    """The same interface as common.tokenizer.Tokenizer over a Hugging Face tokenizer in our id order."""
+
+    def __init__(self, folder: Path, meta: dict):
+        self.path = Path(folder) / TOKENIZER_DIR
+        if files_sha256(self.path) != meta["files_sha256"]:
+            raise HFError(f"the tokenizer files in {self.path} changed since the corpus was built; rebuild it")
+        self.tok = load_hf_tokenizer(self.path)
+        self.hf_of = np.asarray(meta["hf_id_of"], dtype=np.int64)  # our id -> its id
+        self.ours_of32 = np.full(len(self.tok), -1, dtype=np.int32)
+        self.ours_of32[self.hf_of] = np.arange(len(self.hf_of), dtype=np.int32)
+        self.sha256, self.reserved, self.source = meta["sha256"], int(meta["reserved"]), meta["source"]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf_of)
+
+    def piece(self, idx: int) -> str:
+        return self.tok.convert_ids_to_tokens(int(self.hf_of[idx]))
+
+    def encode_native(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+    def to_ours(self, pieces: list[list[int]]) -> np.ndarray:
+        flat = np.fromiter((i for ids in pieces for i in ids), dtype=np.int64)
+        return self.ours_of32[flat]
+
+    def encode(self, text: str) -> list[int]:
+        return self.to_ours([self.encode_native([text])[0]]).tolist()
+
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+        return [self.ours_of32[np.asarray(ids, dtype=np.int64)].tolist() for ids in self.encode_native(texts)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(self.hf_of[np.asarray(ids, dtype=np.int64)].tolist())
+
+
+def max_positions(config) -> int:
+    """Tokens a row may hold: RoBERTa's position table counts its padding offset (514 = 512 + 2)."""
+    n = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if config.model_type in ("roberta", "xlm-roberta", "camembert"):
+        n -= int(config.pad_token_id) + 1
+    return n
+
+
+def load_masked_lm(path: Path):
+    """AutoModelForMaskedLM from a local folder, refusing one without a trained masked-LM head."""
+    tf = transformers()
+    if not (path / "config.json").is_file():
+        raise HFError(f"{path} has no config.json: not a Hugging Face model directory")
+    try:
+        model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True,
+                                                               output_loading_info=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise HFError(f"{path} holds no masked LM transformers can load ({str(e).splitlines()[0][:200]})") from None
+    base = model.base_model_prefix
+    missing = sorted(k for k in info["missing_keys"] if not k.startswith(base + "."))
+    if missing:
+        raise HFError(f"{path} has no masked-LM head ({model.config.architectures or '?'}; missing {missing[:3]}): "
+                      f"the auxiliary model must predict tokens, e.g. a *ForMaskedLM directory")
+    return model
+
+
+class HFMaskedLM(nn.Module):
+    """Our MaskedLM's interface over a Hugging Face masked LM: (ids, attention mask, masked flags) in our
+    ids -> logits (masked positions, our vocabulary), the head applied to the masked rows only."""
+
+    def __init__(self, path: Path, hf_of: np.ndarray, input_names=("input_ids", "attention_mask")):
+        super().__init__()
+        self.model = load_masked_lm(path)
+        self.head = [child for name, child in self.model.named_children() if name != self.model.base_model_prefix]
+        self.register_buffer("hf_of", torch.as_tensor(hf_of, dtype=torch.long), persistent=False)
+        self.token_types = "token_type_ids" in input_names and getattr(self.model.config, "type_vocab_size", 0) > 0
+        self.max_positions = max_positions(self.model.config)
+
+    def forward(self, input_ids, attention_mask, masked_positions) -> torch.Tensor:
+        kwargs = {"input_ids": self.hf_of[input_ids], "attention_mask": attention_mask.long()}
+        if self.token_types:
+            kwargs["token_type_ids"] = torch.zeros_like(input_ids)
+        hidden = self.model.base_model(**kwargs)[0][masked_positions]
+        for module in self.head:  # bert / deberta-v2: cls; roberta: lm_head; electra: predictions, lm_head
+            hidden = module(hidden)
+        return hidden[:, self.hf_of]  # our columns only: padded rows past the tokenizer's length drop out

@@ -1,0 +1,207 @@
+"""An existing Hugging Face masked LM as the auxiliary model (`[aux] source = "hf:PATH"`, common/hf.py).
+
+Offline: tiny randomly initialised masked LMs of four families (BERT, ELECTRA's generator, RoBERTa,
+DeBERTa-v2) and tokenizers trained here with `tokenizers` on the test corpus, saved with
+`save_pretrained` to temporary folders. Each model's logit table is 8 rows longer than its
+tokenizer (padded, as some releases are), and the WordPiece ones carry [unusedN] entries."""
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from common.checkpoint import AUX_FILE, load_aux  # noqa: E402
+from common.config import dump_toml  # noqa: E402
+from common.corpus import SplitRows, load_corpus_meta  # noqa: E402
+from common.corrupt import Corruptor  # noqa: E402
+from common.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEP_ID, UNK_ID, open_tokenizer  # noqa: E402
+from tests.conftest import ROOT, tiny_config, write_text_corpus  # noqa: E402
+
+FAMILIES = ("bert", "electra", "roberta", "deberta-v2")
+WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[unused0]", "[unused1]", "[unused2]"]
+BPE_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+
+
+def _texts(folder: Path) -> list[str]:
+    return [p.read_text() for p in sorted(folder.glob("*.txt"))]
+
+
+def make_tokenizer(family: str, texts: list[str], out: Path):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    if family == "roberta":  # byte-level BPE with <s> </s> <pad> <mask>, cased
+        t = Tokenizer(models.BPE(unk_token="<unk>"))
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        t.decoder = decoders.ByteLevel()
+        t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=BPE_SPECIALS,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+                     cls_token="<s>", sep_token="</s>")
+    else:  # WordPiece, lowercased (the ELECTRA releases' convention)
+        t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        t.normalizer = normalizers.BertNormalizer(lowercase=True)
+        t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        t.decoder = decoders.WordPiece()
+        t.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=300, special_tokens=WORDPIECE_SPECIALS))
+        t.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", t.token_to_id("[CLS]")), ("[SEP]", t.token_to_id("[SEP]"))])
+        names = dict(unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, **names)
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def make_model(family: str, vocab: int, pad_id: int, out: Path, positions: int = 64):
+    tf = transformers
+    shape = dict(vocab_size=vocab + 8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=positions, pad_token_id=pad_id)
+    if family == "bert":
+        model = tf.BertForMaskedLM(tf.BertConfig(**shape))
+    elif family == "electra":
+        model = tf.ElectraForMaskedLM(tf.ElectraConfig(embedding_size=32, **shape))
+    elif family == "roberta":
+        model = tf.RobertaForMaskedLM(tf.RobertaConfig(**{**shape, "max_position_embeddings": positions + pad_id + 1}))
+    else:
+        model = tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(relative_attention=True, position_biased_input=False,
+                                                           **shape))
+    torch.manual_seed(0)
+    model.apply(model._init_weights)
+    model.save_pretrained(str(out))
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """One masked LM directory per family (model + its tokenizer), and the raw corpus."""
+    root = tmp_path_factory.mktemp("hf")
+    raw = write_text_corpus(root / "raw", num_docs=6, seed=3)
+    texts = _texts(raw)
+    dirs = {}
+    for family in FAMILIES:
+        d = root / family
+        tok = make_tokenizer(family, texts, d)
+        make_model(family, len(tok), tok.pad_token_id, d)
+        dirs[family] = d
+    return raw, dirs
+
+
+def _config(work: Path, raw: Path, source: Path, **train):
+    config = tiny_config(work)
+    return dataclasses.replace(config, corpus=dataclasses.replace(config.corpus, source=str(raw)),
+                               aux=dataclasses.replace(config.aux, source=f"hf:{source}"),
+                               train=dataclasses.replace(config.train, max_steps=4, **train))
+
+
+def _stage(module: str, manifest: Path, *extra, env=None) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", module, "--manifest", str(manifest), *extra], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600, env=env)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_corpus_generate_train_with_an_hf_aux_of_each_family(hf_dirs, family, tmp_path, env_with_repo):
+    """corpus (its tokenizer) -> aux (recorded, not trained) -> generate (Ray, 2 epochs) -> train 4 steps;
+    for one family also 1 vs 2 workers, byte for byte. (In one pytest process, generation on Ray after an
+    in-process corpus build with the Hugging Face tokenizer hung; every stage runs as users run it.)"""
+    raw, dirs = hf_dirs
+    config = _config(tmp_path / "work", raw, dirs[family])
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(config))
+    for module, extra in (("corpus", ["--workers", "1"]), ("auxiliary", []),
+                          ("generate", ["--workers", "2"]), ("train", [])):
+        result = _stage(module, manifest, *extra, env=env_with_repo)
+        assert result.returncode == 0, (module, result.stdout[-2000:], result.stderr[-3000:])
+    corpus = load_corpus_meta(config.corpus_dir)
+    tok = open_tokenizer(config.corpus_dir)
+    assert corpus["vocab_size"] == tok.vocab_size == len(tok.tok) and corpus.get("reserved_ids", 5) == tok.reserved
+    assert tok.source == str(dirs[family])
+    summary = json.loads((config.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4
+    data = json.loads((config.epochs_dir / "manifest.json").read_text())
+    assert data["vocab_size"] == tok.vocab_size and data["tokenizer_sha256"] == corpus["tokenizer_sha256"]
+    assert len(data["epochs"]) == 2
+    if family == "bert":  # the same shards from one worker as from two
+        one = tmp_path / "one_worker"
+        result = _stage("generate", manifest, "--workers", "1", "--out", str(one), env=env_with_repo)
+        assert result.returncode == 0, result.stderr[-3000:]
+        two = {p.relative_to(config.epochs_dir): p.read_bytes() for p in sorted(config.epochs_dir.rglob("*.parquet"))}
+        assert len(two) > 2 and two == {p.relative_to(one): p.read_bytes() for p in sorted(one.rglob("*.parquet"))}
+
+
+def _built(hf_dirs, family, tmp_path):
+    """Corpus and aux record built in-process (one local worker: no Ray)."""
+    from auxiliary.mlm import use_hf_aux
+    from corpus.build import build_corpus
+    raw, dirs = hf_dirs
+    config = _config(tmp_path / "work", raw, dirs[family])
+    build_corpus(config, config.corpus_dir, workers=1, log=lambda *a: None)
+    use_hf_aux(config, config.corpus_dir, config.aux_dir, log=lambda *a: None)
+    return config
+
+
+@pytest.mark.parametrize("family", ("bert", "roberta"))
+def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family, tmp_path):
+    config = _built(hf_dirs, family, tmp_path)
+    tok = open_tokenizer(config.corpus_dir)
+    hf_tok = tok.tok
+    specials = {tok.tok.pad_token_id, tok.tok.unk_token_id, tok.tok.mask_token_id,
+                tok.tok.cls_token_id or tok.tok.bos_token_id, tok.tok.sep_token_id or tok.tok.eos_token_id}
+    assert [int(tok.hf_of[i]) for i in (PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID)] == [
+        hf_tok.pad_token_id, hf_tok.unk_token_id, hf_tok.cls_token_id or hf_tok.bos_token_id,
+        hf_tok.sep_token_id or hf_tok.eos_token_id, hf_tok.mask_token_id]
+    never = set(tok.hf_of[:tok.reserved].tolist())
+    assert specials <= never
+    if family == "bert":
+        assert {hf_tok.convert_tokens_to_ids(f"[unused{i}]") for i in range(3)} <= never
+    rows = SplitRows(config.corpus_dir, "train")
+    sample = [rows[i] for i in range(min(64, len(rows)))]
+    corruptor = Corruptor(config.aux_dir / AUX_FILE, seed=1, mask_prob=0.3, batch_tokens=512)
+    # a high temperature spreads the mass over the whole vocabulary, reserved columns included if allowed
+    out = corruptor(sample, np.arange(len(sample)), 0, np.full(len(sample), 50.0))
+    for original, corrupted, labels in zip(sample, out["input_ids"], out["labels"]):
+        changed = corrupted != original
+        assert np.array_equal(labels.astype(bool), changed)  # a sample equal to the original is labelled original
+        assert (corrupted[changed] >= tok.reserved).all() and (corrupted < tok.vocab_size).all()
+        assert corrupted[0] == CLS_ID and corrupted[-1] == SEP_ID  # masking never touches the specials
+    assert out["replaced"] > 0
+    model, _ = load_aux(config.aux_dir / AUX_FILE)
+    ids = torch.from_numpy(sample[0][None].astype(np.int64))
+    flags = torch.zeros_like(ids, dtype=torch.bool)
+    flags[0, 1:4] = True
+    logits = model(ids, torch.ones_like(flags), flags)
+    assert logits.shape == (3, tok.vocab_size)  # masked positions only, our columns only (no padded rows)
+
+
+def test_bad_hf_directories_stop_before_any_work(hf_dirs, tmp_path, env_with_repo):
+    raw, dirs = hf_dirs
+    plain = tmp_path / "plain"  # a BertModel: no masked-LM head
+    cfg = transformers.BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64)
+    transformers.BertModel(cfg).save_pretrained(str(plain))
+    transformers.AutoTokenizer.from_pretrained(str(dirs["bert"])).save_pretrained(str(plain))
+    no_tokenizer = tmp_path / "no_tokenizer"
+    transformers.BertForMaskedLM(cfg).save_pretrained(str(no_tokenizer))
+    short = tmp_path / "short"  # 16 positions, rows of 32 tokens
+    make_model("bert", 300, 0, short, positions=16)
+    transformers.AutoTokenizer.from_pretrained(str(dirs["bert"])).save_pretrained(str(short))
+    cases = {plain: "no masked-LM head", no_tokenizer: "holds no tokenizer", short: "beyond the 16 positions"}
+    for folder, message in cases.items():
+        config = _config(tmp_path / f"work-{folder.name}", raw, folder)
+        manifest = tmp_path / f"{folder.name}.toml"
+        manifest.write_text(dump_toml(config))
+        result = _stage("corpus", manifest, "--workers", "1", env=env_with_repo)
+        if folder is plain:  # the corpus only needs its tokenizer; the aux stage finds the missing head
+            assert result.returncode == 0, result.stderr[-2000:]
+            result = _stage("auxiliary", manifest, env=env_with_repo)
+        assert result.returncode == 2, (folder.name, result.stderr[-2000:])
+        assert message in result.stderr and str(folder) in result.stderr and "Traceback" not in result.stderr
+        if folder is not plain:
+            assert not config.corpus_dir.exists()  # nothing was built
