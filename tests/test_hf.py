@@ -180,7 +180,11 @@ def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family,
     assert logits.shape == (3, tok.vocab_size)  # masked positions only, our columns only (no padded rows)
 
 
-def test_bad_hf_directories_stop_before_any_work(hf_dirs, tmp_path, env_with_repo):
+def test_bad_hf_directories_stop_before_any_work(hf_dirs, tmp_path, capsys):
+    """`python -m corpus` / `python -m auxiliary` (their main(), in this process) on a directory without a
+    masked-LM head, without a tokenizer, and with fewer positions than the rows: exit 2, one line."""
+    from auxiliary.__main__ import main as aux_main
+    from corpus.__main__ import main as corpus_main
     raw, dirs = hf_dirs
     plain = tmp_path / "plain"  # a BertModel: no masked-LM head
     cfg = transformers.BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -197,11 +201,12 @@ def test_bad_hf_directories_stop_before_any_work(hf_dirs, tmp_path, env_with_rep
         config = _config(tmp_path / f"work-{folder.name}", raw, folder)
         manifest = tmp_path / f"{folder.name}.toml"
         manifest.write_text(dump_toml(config))
-        result = _stage("corpus", manifest, "--workers", "1", env=env_with_repo)
+        code = corpus_main(["--manifest", str(manifest), "--workers", "1"])
         if folder is plain:  # the corpus only needs its tokenizer; the aux stage finds the missing head
-            assert result.returncode == 0, result.stderr[-2000:]
-            result = _stage("auxiliary", manifest, env=env_with_repo)
-        assert result.returncode == 2, (folder.name, result.stderr[-2000:])
-        assert message in result.stderr and str(folder) in result.stderr and "Traceback" not in result.stderr
+            assert code == 0, capsys.readouterr().err[-2000:]
+            code = aux_main(["--manifest", str(manifest)])
+        err = capsys.readouterr().err
+        assert code == 2, (folder.name, err[-2000:])
+        assert message in err and str(folder) in err and "Traceback" not in err
         if folder is not plain:
             assert not config.corpus_dir.exists()  # nothing was built
