@@ -120,3 +120,16 @@ def test_an_old_module_name_runs_the_new_module(old):
     result = subprocess.run([sys.executable, "-m", old, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"python -m {OLD_NAMES[old]}" in result.stdout.splitlines()[0]
+
+
+def test_the_default_chain_imports_no_hugging_face_module():
+    """transformers is an optional extra (`.[hf]`, only for an hf: aux model): importing every stage of
+    the default chain must not import it (nor tokenizers / safetensors)."""
+    import subprocess
+    import sys
+    code = ("import sys, corpus.build, auxiliary.mlm, generate.generator, generate.job, train.trainer, "
+            "common.corrupt, common.checkpoint, common.tokenizer, finetune.finetuner; "
+            "print(sorted(m for m in ('transformers', 'tokenizers', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
