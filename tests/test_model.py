@@ -71,7 +71,7 @@ def test_locality_prior_weighs_distances_by_power_law_per_head():
 
 def test_under_autocast_the_attention_bias_has_the_dtype_of_q_and_k(monkeypatch):
     """A float32 bias beside bf16 q/k sends SDPA to its math path on GPU (fp32 matmuls, seen on an H100
-    at the base shape: attention 65% of an update). Under autocast the bias is built in the autocast
+    at the base shape: attention 66% of an update). Under autocast the bias is built in the autocast
     dtype; without it (the CPU trainer) in the activations' dtype, so CPU numerics do not change."""
     import common.model as model_module
     seen, real = [], torch.nn.functional.scaled_dot_product_attention
