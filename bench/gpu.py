@@ -4,7 +4,7 @@
 
 Synthetic data (random non-special token ids, full-length rows): compute does not depend on the text,
 so nothing has to be prepared at the base shape (12 x 768, aux 4 layers, sequence 512, 128K vocabulary).
-  mfu               the trainer's update (bench.train.make_step's path: bf16 autocast, RTD loss, clip, fused
+  mfu               the trainer's update (`trainer_update`: train/objectives.py's loss under bf16 autocast, clip, fused
                     AdamW, schedule) with `--accum` micro-batches of `--rows` rows; model FLOPs per update as
                     executed (bench.flops: layers + softmax + RTD head, embedding lookups free, backward = 2 x
                     forward) / seconds / the GPU's dense bf16 peak (its datasheet; also over a bf16 matmul
@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
-from bench.train import make_step
 from common.checkpoint import save_aux
 from common.config import load_manifest
 from common.corrupt import Corruptor
@@ -89,6 +88,37 @@ def update_flops(config, rows: int) -> float:
     return 3 * forward * rows
 
 
+def trainer_update(model, optimizer, batch: dict, accum: int, config, electra: bool = False, scheduler=None):
+    """The trainer's update as (update, one micro-batch's forward + backward): `accum` micro-batches of the
+    loss of train/objectives.py under bf16 autocast, then clip, AdamW and the schedule."""
+    from train.objectives import forward_losses, objective
+    device, tc = torch.device("cuda"), config.train
+    tokens = float(batch["attention_mask"].sum())
+    masked = float(batch["masked_flags"].sum()) if electra else 0.0
+
+    def forward_backward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            rtd, mlm, _ = forward_losses(model, batch, device, electra)
+            loss = objective(rtd, mlm, tokens, masked, tc.electra_lambda)
+        loss.backward()
+
+    def update():
+        for _ in range(accum):
+            forward_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+    return update, forward_backward
+
+
+def rtd_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
+    ids = torch.from_numpy(np.stack(synthetic_rows(rows, length, vocab, seed))).long()
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+            "labels": (torch.rand(ids.shape) < 0.15).float()}
+
+
 def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False, compiled: bool = False) -> dict:
     """`compiled`: the same update with the model under torch.compile (not what the trainer runs: the headroom)."""
     device, tc, V, L = torch.device("cuda"), config.train, config.tokenizer.vocab_size, config.corpus.max_seq_len
@@ -98,22 +128,8 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
         model = torch.compile(model)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, 10, 10_000)
-    ids = torch.from_numpy(np.stack(synthetic_rows(rows, L, V))).long()
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-             "labels": (torch.rand(ids.shape) < 0.15).float()}
-    step = make_step(model, optimizer, scheduler, device, tc.clip_norm)
-
-    def forward_backward():  # one micro-batch as the trainer's accumulate() runs it, no optimizer step
-        ids_, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(ids_, mask)
-            loss = F.binary_cross_entropy_with_logits(logits[mask].float(), batch["labels"].to(device)[mask])
-        loss.backward()
-
-    def update():
-        for _ in range(accum - 1):
-            forward_backward()
-        step(batch)  # the last micro-batch, then clip, AdamW, schedule
+    update, forward_backward = trainer_update(model, optimizer, rtd_batch(rows, L, V), accum, config,
+                                              scheduler=scheduler)
 
     cuda_seconds(update, 2)
     torch.cuda.reset_peak_memory_stats()
@@ -136,13 +152,11 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
 
 def measure_efficiency(config, rows: int, accum: int, steps: int) -> dict:
     """fast-offline vs electra at the manifest's shape: seconds per update and peak memory (paper section 4.3)."""
-    from train.objectives import ElectraPair, electra_tensors, forward_losses, objective
+    from train.objectives import ElectraPair, electra_tensors
     device, tc, g = torch.device("cuda"), config.train, config.generate
     V, L = config.tokenizer.vocab_size, config.corpus.max_seq_len
-    originals = synthetic_rows(rows, L, V, seed=2)
-    ids = torch.from_numpy(np.stack(originals)).long()
-    offline = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-               "labels": (torch.rand(ids.shape) < 0.15).float()}
+    offline = rtd_batch(rows, L, V, seed=2)
+    originals = [row.numpy().astype(np.int32) for row in offline["input_ids"]]
     electra = electra_tensors({"input_ids": originals, "row_id": np.arange(rows), "epoch": 0}, config.seed, g.mask_prob)
     out = {}
     for name, batch in (("fast-offline", offline), ("electra", electra)):
@@ -153,21 +167,11 @@ def measure_efficiency(config, rows: int, accum: int, steps: int) -> dict:
         model = (ElectraPair(config.model, V) if is_electra else ReplacedTokenDetector(config.model, V)).to(device)
         optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                     tc.embed_lr_scale)
-
-        def update():
-            for _ in range(accum):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    rtd, mlm, _ = forward_losses(model, batch, device, is_electra)
-                    loss = objective(rtd, mlm, float(rows * L), float(batch["masked_flags"].sum()) if is_electra else 0.0,
-                                     tc.electra_lambda)
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        update, _ = trainer_update(model, optimizer, batch, accum, config, is_electra)
         cuda_seconds(update, 2)
         out[f"{name}_s_per_update"] = statistics.median(cuda_seconds(update, steps))
         out[f"{name}_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        del model, optimizer
+        del model, optimizer, update
     out["offline_vs_electra_time"] = out["fast-offline_s_per_update"] / out["electra_s_per_update"]
     out["offline_vs_electra_memory"] = out["fast-offline_peak_memory_gib"] / out["electra_peak_memory_gib"]
     out["rows_per_micro_batch"], out["micro_batches"] = rows, accum

@@ -31,6 +31,7 @@ PREFIX = "hf:"
 TOKENIZER_DIR = "hf_tokenizer"  # the tokenizer's own files, copied into the corpus folder
 UNUSED = re.compile(r"^(\[unused\d+\]|<unused\d+>)$")
 MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt", ".onnx")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spm.model", "sentencepiece.bpe.model", "tokenizer.model")
 
 
@@ -95,6 +96,12 @@ def files_sha256(folder: Path, names=None) -> str:
     return hashlib.sha256(json.dumps([[p.name, sha256_file(p)] for p in paths]).encode()).hexdigest()
 
 
+def tokenizer_sha256(folder: Path) -> str:
+    """The hash of a model directory's files other than its weights: what tokenizes the corpus (the
+    corpus key checks it on every `make corpus`, so gigabytes of weights are not read for it)."""
+    return files_sha256(folder, {p.name for p in folder.iterdir() if p.suffix not in WEIGHT_SUFFIXES})
+
+
 def build_tokenizer(source: Path, lines: list[str], out_dir: Path, meta_file: str) -> None:
     """The corpus stage's tokenizer step for an hf: aux model: copy its tokenizer into `out_dir`, count its
     pieces on the corpus sample, write our id order (`meta_file`, beside the SentencePiece one's name)."""
@@ -109,9 +116,8 @@ def build_tokenizer(source: Path, lines: list[str], out_dir: Path, meta_file: st
             counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=size)[:size]
     head = specials + reserved
     keys = counts.astype(np.float64)
-    keys[head] = np.inf  # placed first, by hand
-    rest = [int(i) for i in np.argsort(-keys, kind="stable") if i not in set(head)]
-    hf_of = head + rest
+    keys[head] = np.inf  # sorted first; placed by hand in their own order
+    hf_of = head + np.argsort(-keys, kind="stable")[len(head):].tolist()
     files = files_sha256(out_dir / TOKENIZER_DIR)
     atomic_write_json(out_dir / meta_file, {
         "kind": "hf", "source": str(source), "vocab_size": size, "reserved": len(head), "hf_id_of": hf_of,

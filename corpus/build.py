@@ -55,7 +55,7 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
             "tokenizer": config_to_dict(config)["tokenizer"], "seed": config.seed}
     source = hf.hf_dir(config.aux.source)
     if source is not None:  # an hf: aux model's tokenizer: its files are the tokenizer
-        blob["tokenizer"] = {"hf": hf.files_sha256(source, None)}
+        blob["tokenizer"] = {"hf": hf.tokenizer_sha256(source)}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
