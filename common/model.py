@@ -10,17 +10,34 @@ LayerNorm placement: the paper uses post-LN layers with Admin initialisation
 We use pre-LN layers (plus a final LayerNorm) instead: no profiling pass, and
 it learns from the first steps: on the tiny preset post-LN with BERT initialisation
 stayed at the base-rate RTD loss where pre-LN learned (docs/design.md, design notes).
+
+This file imports torch and the standard library only: `make export` copies it verbatim into a
+Hugging Face model directory, where the remote modeling file imports it relatively (export/, one
+implementation of the model's math for both sides).
 """
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import ModelConfig
-from common.tokenizer import PAD_ID
+# common.tokenizer.PAD_ID, written out so this file stands alone in an export (a test checks they agree)
+PAD_ID = 0
+
+
+class EncoderShape(Protocol):
+    """What the layers read from a config: common.config.ModelConfig, or an export's Hugging Face config."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_size: int
+    rel_buckets: int
+    rel_max_distance: int
+    dropout: float
+    rel_bias_locality: float
 
 
 def relative_position_bucket(relative_position: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -76,7 +93,7 @@ class RelativePositionBias(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: EncoderShape):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.dropout = cfg.dropout
@@ -102,9 +119,10 @@ class EncoderLayer(nn.Module):
 class Encoder(nn.Module):
     """Token embeddings -> N encoder layers; returns hidden states (B, L, H)."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, num_layers: int):
+    def __init__(self, cfg: EncoderShape, vocab_size: int, num_layers: int, padding_idx: int = PAD_ID):
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, cfg.hidden_size, padding_idx=PAD_ID)
+        # padding_idx: our [PAD] is 0; an export in a Hugging Face tokenizer's native order has its own
+        self.embed = nn.Embedding(vocab_size, cfg.hidden_size, padding_idx=padding_idx)
         self.ln_embed = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.rel_bias = RelativePositionBias(cfg.num_heads, cfg.rel_buckets, cfg.rel_max_distance,
                                              cfg.rel_bias_locality)
@@ -129,7 +147,7 @@ class Encoder(nn.Module):
 class MLMHead(nn.Module):
     """Dense -> GELU -> LayerNorm -> logits through the (tied) input embeddings."""
 
-    def __init__(self, cfg: ModelConfig, embedding: nn.Embedding):
+    def __init__(self, cfg: EncoderShape, embedding: nn.Embedding):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
@@ -143,7 +161,7 @@ class MLMHead(nn.Module):
 class RTDHead(nn.Module):
     """One logit per token: > 0 means 'replaced'."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: EncoderShape):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.out = nn.Linear(cfg.hidden_size, 1)
@@ -180,7 +198,7 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
 class MaskedLM(nn.Module):
     """The auxiliary model: encoder + MLM head evaluated only at masked positions."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, num_layers: int):
+    def __init__(self, cfg: EncoderShape, vocab_size: int, num_layers: int):
         super().__init__()
         self.encoder = Encoder(cfg, vocab_size, num_layers)
         self.head = MLMHead(cfg, self.encoder.embed)
@@ -195,7 +213,7 @@ class MaskedLM(nn.Module):
 class ReplacedTokenDetector(nn.Module):
     """The main model: encoder + RTD head, one logit per token."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: EncoderShape, vocab_size: int):
         super().__init__()
         self.encoder = Encoder(cfg, vocab_size, cfg.num_layers)
         self.head = RTDHead(cfg)

@@ -7,6 +7,8 @@ zstd 19) was chosen by measuring bytes per token (docs/design.md, shard schema).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,16 @@ from common.io import atomic_path, sha256_file
 FORMAT_VERSION = 2
 # The index of a shard folder, written last (generate/generator.py), read by the trainer.
 MANIFEST_FILE = "manifest.json"
+
+
+def data_fingerprint(manifest: dict) -> str:
+    """Hash of what the trainer reads: the generation key and every shard's path, rows and sha256
+    (not wall times or device names, which change when a damaged shard is regenerated). A checkpoint
+    records it (`data_manifest_sha256`); the trainer resumes and `make export` counts tokens by it."""
+    shards = [(s["path"], s["rows"], s["sha256"]) for e in manifest["epochs"] for s in e["shards"]]
+    shards += [(s["path"], s["rows"], s["sha256"]) for s in manifest["valid"]["shards"]]
+    blob = json.dumps({"generation_key": manifest.get("generation_key"), "shards": shards})
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 # One packed sequence of the corpus: [CLS] tokens-of-one-document [SEP].
 CORPUS_SCHEMA = pa.schema([

@@ -7,7 +7,6 @@ sha256 when first opened) before a row of it is used.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs
 from common.config import RunConfig
 from common.io import sha256_file
-from common.shards import MANIFEST_FILE, SHARD_SCHEMA, list_column, read_parquet
+from common.shards import MANIFEST_FILE, SHARD_SCHEMA, data_fingerprint, list_column, read_parquet
 
 
 
@@ -34,15 +33,6 @@ def replaced_rate(manifest: dict) -> float:
     replaced = sum(e["replaced_fraction"] * e["masked_positions"] for e in manifest["epochs"])
     tokens = sum(e["tokens"] for e in manifest["epochs"])
     return min(max(replaced / max(tokens, 1), 1e-4), 1 - 1e-4)
-
-
-def data_fingerprint(manifest: dict) -> str:
-    """Hash of what the trainer reads: the generation key and every shard's path, rows and sha256
-    (not wall times or device names, which change when a damaged shard is regenerated)."""
-    shards = [(s["path"], s["rows"], s["sha256"]) for e in manifest["epochs"] for s in e["shards"]]
-    shards += [(s["path"], s["rows"], s["sha256"]) for s in manifest["valid"]["shards"]]
-    blob = json.dumps({"generation_key": manifest.get("generation_key"), "shards": shards})
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, str]:
