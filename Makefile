@@ -13,6 +13,8 @@ AUX      ?=
 SWEEP    ?=
 TASK     ?= rotten_tomatoes
 FT_ARGS  ?=
+# make export: the Hugging Face model directory to write (default: RUN/hf)
+EXPORT   ?=
 PYTEST_ARGS ?=
 # bench-efficiency's vocabulary: paper = round(128000 * hidden / 768), the paper's V / d (default), 0 = the data's, or a number
 BENCH_VOCAB ?= paper
@@ -34,12 +36,12 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor plots ablations clean help
+.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor export plots ablations clean help
 
 help:
-	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make reproduce"
+	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make export | make reproduce"
 	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu | make clean"
-	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) BUDGET=$(BUDGET)"
+	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) EXPORT=$(EXPORT) BUDGET=$(BUDGET)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
 $(STAMP): pyproject.toml
@@ -92,6 +94,11 @@ finetune: train
 
 finetune-floor: setup
 	$(PY) -m finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS)
+
+# The newest checkpoint of RUN as a Hugging Face model directory (remote code, safetensors, tokenizer, model
+# card; needs the .[hf] extra, which setup installs): docs/export.md. Reads the run, trains nothing.
+export: setup
+	$(PY) -m export --run $(RUN_DIR) --out $(if $(EXPORT),$(EXPORT),$(RUN_DIR)/hf)
 
 # The paper's claim at small scale: ELECTRA, Fast-ELECTRA, fixed aux, term frequency and no pre-training
 # under one wall-clock budget per method (BUDGET seconds; default in manifests/reproduce.toml), each

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,16 @@ UNUSED = re.compile(r"^(\[unused\d+\]|<unused\d+>)$")
 MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt", ".onnx")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spm.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+# `make export` (export/) writes our models as directories of model_type "fast-electra" with remote code: these
+# files, the encoder being common/model.py itself. Such a directory is loaded with trust_remote_code only when
+# its code is byte for byte this repository's (`own_remote_code`): no code from elsewhere ever runs.
+OWN_MODEL_TYPE = "fast-electra"
+REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
+REMOTE_CODE = {"configuration_fast_electra.py": REMOTE_DIR / "configuration_fast_electra.py",
+               "modeling_fast_electra.py": REMOTE_DIR / "modeling_fast_electra.py",
+               "fast_electra_encoder.py": Path(__file__).resolve().parent / "model.py"}
 
 
 class HFError(ValueError):
@@ -55,14 +66,37 @@ def transformers():
     return module
 
 
+def own_remote_code(path: Path) -> bool:
+    """True for a directory `make export` wrote (model_type "fast-electra") whose remote code is this
+    repository's, byte for byte; such a directory with other code is refused; False for any other model."""
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    if model_type != OWN_MODEL_TYPE:
+        return False
+    for name, ours in REMOTE_CODE.items():
+        if not (path / name).is_file() or sha256_file(path / name) != sha256_file(ours):
+            raise HFError(f"{path} is a fast-electra export whose {name} is not this repository's {ours}: refusing "
+                          f"to run its code; export the model again with this checkout (make export)")
+    return True
+
+
+def load_config(path: Path):
+    """AutoConfig of a local model directory (our own exports' remote configuration included)."""
+    return transformers().AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                     trust_remote_code=own_remote_code(path))
+
+
 def load_hf_tokenizer(path: Path):
     if not path.is_dir():
         raise HFError(f"{path} is not a directory (hf: takes a local folder as save_pretrained writes it)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         # transformers 5 would build an empty tokenizer of the model's type (its special tokens alone)
         raise HFError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    trust = own_remote_code(path)
     try:
-        tok = transformers().AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = transformers().AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust)
     except (OSError, ValueError, TypeError) as e:
         raise HFError(f"{path} holds no tokenizer transformers can load ({str(e).splitlines()[0][:200]})") from None
     return tok
@@ -163,8 +197,11 @@ class HFTokenizer:
 
 
 def max_positions(config) -> int:
-    """Tokens a row may hold: RoBERTa's position table counts its padding offset (514 = 512 + 2)."""
+    """Tokens a row may hold: RoBERTa's position table counts its padding offset (514 = 512 + 2). A model
+    with no position table (a `make export` of ours: relative positions only) has no limit."""
     n = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if not n:
+        return sys.maxsize
     if config.model_type in ("roberta", "xlm-roberta", "camembert"):
         n -= int(config.pad_token_id) + 1
     return n
@@ -175,9 +212,10 @@ def load_masked_lm(path: Path):
     tf = transformers()
     if not (path / "config.json").is_file():
         raise HFError(f"{path} has no config.json: not a Hugging Face model directory")
+    trust = own_remote_code(path)
     try:
         model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True,
-                                                               output_loading_info=True)
+                                                               output_loading_info=True, trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as e:
         raise HFError(f"{path} holds no masked LM transformers can load ({str(e).splitlines()[0][:200]})") from None
     base = model.base_model_prefix

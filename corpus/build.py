@@ -304,7 +304,7 @@ def check_hf_aux(config: RunConfig) -> None:
         return
     try:
         hf.special_hf_ids(hf.load_hf_tokenizer(path), path)
-        limit = hf.max_positions(hf.transformers().AutoConfig.from_pretrained(str(path), local_files_only=True))
+        limit = hf.max_positions(hf.load_config(path))
     except (OSError, ValueError) as e:
         raise CorpusError(str(e)) from None
     if limit and config.corpus.max_seq_len > limit:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("corpus", "auxiliary", "generate", "train", "finetune")
+STAGES = ("corpus", "auxiliary", "generate", "train", "finetune", "export")
 PROJECT = ("common", *STAGES, "experiments", "bench", "tests")
 
 

