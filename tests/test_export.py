@@ -143,7 +143,9 @@ def _train(model, dataset, collator, tmp_path: Path, steps: int = 8):
 
 
 def test_sequence_and_token_classification_load_and_train_with_the_hf_trainer(exported, tmp_path):
-    config, _, out = exported
+    """The pre-trained encoder loads as it was, the new classifier starts from _init_weights (N(0, 0.02), zero
+    bias), and a few HF Trainer steps move both."""
+    config, ours, out = exported
     tokenizer = auto("AutoTokenizer").from_pretrained(str(out), trust_remote_code=True)
     texts = corpus_texts(config, 32)
     for cls, make_labels, collator in (
@@ -152,6 +154,9 @@ def test_sequence_and_token_classification_load_and_train_with_the_hf_trainer(ex
             ("AutoModelForTokenClassification", lambda enc, t: [int(i % 2 == 0) for i in enc["input_ids"]],
              transformers.DataCollatorForTokenClassification(tokenizer))):
         model = load(cls, out, num_labels=2)
+        assert all(torch.equal(model.fast_electra.encoder.state_dict()[k], v) for k, v in ours.encoder.state_dict().items())
+        new_head = model.classifier.out_proj if hasattr(model.classifier, "out_proj") else model.classifier
+        assert new_head.bias.detach().abs().max() == 0 and 0.01 < float(new_head.weight.detach().std()) < 0.03
         before = {k: v.clone() for k, v in model.state_dict().items()}
         dataset = []
         for text in texts:

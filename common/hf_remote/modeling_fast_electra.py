@@ -134,6 +134,16 @@ class FastElectraForMaskedLM(FastElectraPreTrainedModel):
         self.head = MLMHead(config, self.fast_electra.encoder.embed)
         self.post_init()
 
+    def resize_token_embeddings(self, *args, **kwargs):
+        """Transformers resizes the (tied) table; the head's output bias follows, new entries at zero."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        old = self.head.bias.data
+        bias = torch.zeros(embeddings.num_embeddings, dtype=old.dtype, device=old.device)
+        kept = min(old.numel(), bias.numel())
+        bias[:kept] = old[:kept]
+        self.head.bias = nn.Parameter(bias)
+        return embeddings
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 output_attentions: bool | None = None, output_hidden_states: bool | None = None,
