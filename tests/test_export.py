@@ -307,3 +307,17 @@ def test_common_model_stands_alone_for_the_export():
                for a in (n.names if isinstance(n, ast.Import) else [None])}
     assert modules <= {"__future__", "math", "typing", "torch"}, modules
     assert common.model.PAD_ID == PAD_ID
+
+
+def test_an_export_whose_code_is_not_ours_is_refused_as_an_hf_aux(exported, tmp_path):
+    """common/hf.py runs an export's remote code only when it is this repository's byte for byte."""
+    import shutil
+    from common import hf
+    _, _, out = exported
+    assert hf.own_remote_code(out)
+    copy = tmp_path / "edited"
+    shutil.copytree(out, copy)
+    with (copy / "fast_electra_encoder.py").open("a") as f:
+        f.write("\nprint('code from elsewhere')\n")
+    with pytest.raises(hf.HFError, match="fast_electra_encoder.py is not this repository's"):
+        hf.load_hf_tokenizer(copy)
