@@ -321,3 +321,20 @@ def test_an_export_whose_code_is_not_ours_is_refused_as_an_hf_aux(exported, tmp_
         f.write("\nprint('code from elsewhere')\n")
     with pytest.raises(hf.HFError, match="fast_electra_encoder.py is not this repository's"):
         hf.load_hf_tokenizer(copy)
+
+
+def test_an_electra_baseline_run_exports_its_discriminator(built, tmp_path):
+    """`[train] objective = "electra"` checkpoints hold generator + discriminator: the export is the
+    discriminator, its logits ours."""
+    from train.objectives import ElectraPair
+    config = dataclasses.replace(built, train=dataclasses.replace(built.train, objective="electra"))
+    tok = open_tokenizer(built.corpus_dir)
+    torch.manual_seed(2)
+    pair = ElectraPair(config.model, tok.vocab_size).eval()
+    out = export(from_run(save_run(config, pair, tmp_path / "run")), tmp_path / "hf", log=lambda *a: None)
+    ids = torch.tensor([[2, 7, 9, 11, 3], [2, 8, 3, 0, 0]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        logits = load("AutoModelForPreTraining", out).eval()(input_ids=ids, attention_mask=mask).logits
+        assert (logits - pair.discriminator(ids, mask))[mask.bool()].abs().max() <= 1e-5
+    assert "| objective | `electra` |" in (out / "README.md").read_text()
