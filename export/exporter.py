@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from common.checkpoint import latest_checkpoint, read_aux_meta, safe_load
-from common.hf import REMOTE_CODE, REMOTE_DIR
 from common.config import ModelConfig, RunConfig, config_from_dict, load_manifest
 from common.corpus import SplitRows, load_corpus_meta
+from common.hf import REMOTE_CODE, REMOTE_DIR
 from common.io import FolderLock, sha256_file
 from common.model import MaskedLM, ReplacedTokenDetector, count_parameters
 from common.shards import MANIFEST_FILE, data_fingerprint
@@ -67,6 +67,7 @@ class Trained:
 
 def require_transformers():
     """transformers >= 5 and safetensors, or an error with the install command."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: nothing is looked up
     try:
         import safetensors  # noqa: F401
         import transformers
@@ -76,7 +77,6 @@ def require_transformers():
     if int(transformers.__version__.split(".")[0]) < 5:
         raise ExportError(f"make export needs transformers >= 5 (its config and tied-weight formats); found "
                           f"{transformers.__version__}: pip install -e '.[hf]'")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     return transformers
