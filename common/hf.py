@@ -79,7 +79,32 @@ def own_remote_code(path: Path) -> bool:
         if not (path / name).is_file() or sha256_file(path / name) != sha256_file(ours):
             raise HFError(f"{path} is a fast-electra export whose {name} is not this repository's {ours}: refusing "
                           f"to run its code; export the model again with this checkout (make export)")
+    # trust_remote_code runs whatever module an auto_map names, so checking the files above is not enough:
+    # every class reference must be into one of them (not another .py in the folder, not a "repo--module")
+    entry_modules = {Path(name).stem for name in REMOTE_CODE if name != "fast_electra_encoder.py"}
+    for name in ("config.json", "tokenizer_config.json"):
+        refs = _class_references(path / name)
+        foreign = [ref for ref in refs if ref.rpartition(".")[0] not in entry_modules]
+        if foreign:
+            raise HFError(f"{path / name} maps Auto classes to code that is not this repository's ({foreign[0]}): "
+                          f"refusing to run it; export the model again with this checkout (make export)")
     return True
+
+
+def _class_references(path: Path) -> list[str]:
+    """The class references ("module.Class") of a JSON file's `auto_map`: a dict of one reference or a
+    [slow, fast] pair per Auto class, or (tokenizer_config.json's legacy form) one such pair."""
+    try:
+        auto_map = json.loads(path.read_text()).get("auto_map") or {}
+    except FileNotFoundError:
+        return []
+    except ValueError:
+        raise HFError(f"{path} is not valid JSON") from None
+    values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    refs = []
+    for value in values:
+        refs += [str(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
+    return refs
 
 
 def load_config(path: Path):

@@ -323,6 +323,28 @@ def test_an_export_whose_code_is_not_ours_is_refused_as_an_hf_aux(exported, tmp_
         hf.load_hf_tokenizer(copy)
 
 
+@pytest.mark.parametrize("file, key", [("config.json", "AutoConfig"), ("config.json", "AutoModelForMaskedLM"),
+                                       ("tokenizer_config.json", "AutoTokenizer")])
+def test_an_export_whose_auto_map_names_other_code_is_refused_before_it_runs(exported, tmp_path, file, key):
+    """The three files are ours, but an auto_map entry points at another module in the folder: with
+    trust_remote_code transformers would import it, so common/hf.py refuses the folder, naming the file."""
+    import shutil
+    from common import hf
+    _, _, out = exported
+    copy = tmp_path / "other-code"
+    shutil.copytree(out, copy)
+    ran = tmp_path / "ran"
+    (copy / "other.py").write_text(f"open({str(ran)!r}, 'w').close()\n"
+                                   "from .configuration_fast_electra import FastElectraConfig as Other\n")
+    data = json.loads((copy / file).read_text())
+    data.setdefault("auto_map", {})[key] = ["other.Other", None] if key == "AutoTokenizer" else "other.Other"
+    (copy / file).write_text(json.dumps(data))
+    for load_it in (hf.load_config, hf.load_hf_tokenizer, hf.load_masked_lm):
+        with pytest.raises(hf.HFError, match=f"{file} maps Auto classes to code that is not this repository's"):
+            load_it(copy)
+    assert not ran.exists()
+
+
 def test_an_electra_baseline_run_exports_its_discriminator(built, tmp_path):
     """`[train] objective = "electra"` checkpoints hold generator + discriminator: the export is the
     discriminator, its logits ours."""
