@@ -360,3 +360,21 @@ def test_an_electra_baseline_run_exports_its_discriminator(built, tmp_path):
         logits = load("AutoModelForPreTraining", out).eval()(input_ids=ids, attention_mask=mask).logits
         assert (logits - pair.discriminator(ids, mask))[mask.bool()].abs().max() <= 1e-5
     assert "| objective | `electra` |" in (out / "README.md").read_text()
+
+
+def test_a_new_model_from_an_export_config_starts_from_the_locality_prior_and_loads_its_own_table(exported, tmp_path):
+    """_init_weights gives what common.model.init_weights gives (the relative-position table with the locality
+    prior, a zero [PAD] row), and a saved table is loaded, not re-initialised."""
+    from common.model import RelativePositionBias
+    _, _, out = exported
+    config = auto("AutoConfig").from_pretrained(str(out), trust_remote_code=True)
+    config.rel_bias_locality = 1.5
+    fresh = auto("AutoModel").from_config(config, trust_remote_code=True)
+    expected = RelativePositionBias(config.num_heads, config.rel_buckets, config.rel_max_distance, 1.5)
+    expected.init_locality()
+    assert torch.equal(fresh.encoder.rel_bias.bias.weight, expected.bias.weight)
+    assert fresh.encoder.embed.weight[config.pad_token_id].abs().max() == 0
+    with torch.no_grad():
+        fresh.encoder.rel_bias.bias.weight.add_(1.0)
+    fresh.save_pretrained(str(tmp_path / "saved"))
+    assert torch.equal(load("AutoModel", tmp_path / "saved").encoder.rel_bias.bias.weight, fresh.encoder.rel_bias.bias.weight)

@@ -64,15 +64,19 @@ class FastElectraPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
+            loaded = getattr(module.weight, "_is_hf_initialized", False)
             init.normal_(module.weight, mean=0.0, std=std)
-            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+            if module.padding_idx is not None and not loaded:
                 module.weight[module.padding_idx].zero_()
+            # The relative-position table's locality prior is applied here, from the table: transformers skips
+            # `_init_weights` for a remote-code module with no parameters of its own (RelativePositionBias)
+            for owner in self.modules():
+                if isinstance(owner, RelativePositionBias) and owner.bias is module and owner.locality > 0:
+                    if not loaded:
+                        owner.init_locality()
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
-        elif isinstance(module, RelativePositionBias):  # after its table (children first): the locality prior
-            if module.locality > 0 and not getattr(module.bias.weight, "_is_hf_initialized", False):
-                module.init_locality()
         elif isinstance(module, MLMHead):
             init.zeros_(module.bias)
 
