@@ -288,7 +288,8 @@ def check_tokenizer(trained: Trained, folder: Path, transformers, num_rows: int 
 @torch.no_grad()
 def verify(trained: Trained, folder: Path, transformers) -> float:
     """Load the folder as transformers will and compare with our model on a probe batch; returns the
-    largest absolute difference of the head's outputs at non-padding positions."""
+    largest absolute difference of the encoder's hidden states and the head's outputs at non-padding
+    positions (the hidden states too: an RTD head projects them onto one direction, which hides most errors)."""
     auto = transformers.AutoModelForPreTraining if trained.kind == "rtd" else transformers.AutoModelForMaskedLM
     theirs = auto.from_pretrained(str(folder), trust_remote_code=True, local_files_only=True).eval()
     ours = our_model(trained)
@@ -296,6 +297,7 @@ def verify(trained: Trained, folder: Path, transformers) -> float:
     hf_of = native_order(trained.tokenizer)
     native_ids = torch.from_numpy(hf_of)[ids] if hf_of is not None else ids
     keep = mask.bool()
+    hidden = (theirs.fast_electra(native_ids, mask).last_hidden_state - ours.encoder(ids, mask))[keep].abs().max()
     if trained.kind == "rtd":
         diff = (theirs(native_ids, mask).logits - ours(ids, mask))[keep].abs().max()
     else:
@@ -303,7 +305,7 @@ def verify(trained: Trained, folder: Path, transformers) -> float:
         if hf_of is not None:
             logits = logits[:, torch.from_numpy(hf_of)]
         diff = (logits - ours(ids, mask, keep)).abs().max()
-    return float(diff)
+    return max(float(diff), float(hidden))
 
 
 def check_output(out: Path, force: bool) -> None:

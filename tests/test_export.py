@@ -378,3 +378,28 @@ def test_a_new_model_from_an_export_config_starts_from_the_locality_prior_and_lo
         fresh.encoder.rel_bias.bias.weight.add_(1.0)
     fresh.save_pretrained(str(tmp_path / "saved"))
     assert torch.equal(load("AutoModel", tmp_path / "saved").encoder.rel_bias.bias.weight, fresh.encoder.rel_bias.bias.weight)
+
+
+@pytest.mark.parametrize("name, change", [
+    ("layers.0.ffn_out.weight", lambda w: w + 0.01 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0))),
+    ("ln_final.bias", lambda b: b + 1e-3 * (torch.arange(b.numel()) == 0))])  # the RTD logit moves by ~1e-5 only
+def test_an_export_that_does_not_reproduce_the_model_is_not_published(exported, tmp_path, monkeypatch, name, change):
+    """The probe check can fail: weights changed on their way into model.safetensors stop the export, and
+    neither the new folder nor the one --force would replace is touched."""
+    import export.exporter as exporter
+    _, _, out = exported
+    real = exporter.hf_weights
+
+    def changed(trained):
+        tensors, vocab, pad = real(trained)
+        key = next(k for k in tensors if k.endswith("encoder." + name))
+        tensors[key] = change(tensors[key])
+        return tensors, vocab, pad
+
+    monkeypatch.setattr(exporter, "hf_weights", changed)
+    target = tmp_path / "kept"
+    target.mkdir()
+    (target / "old.txt").write_text("the previous export")
+    with pytest.raises(exporter.ExportError, match="does not reproduce"):
+        export(from_run(out.parent / "run", data=out.parent / "epochs"), target, force=True, log=lambda *a: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and [p.name for p in target.iterdir()] == ["old.txt"]
