@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import hf
 from common.checkpoint import latest_checkpoint, read_aux_meta, safe_load
 from common.config import ModelConfig, RunConfig, config_from_dict, load_manifest
 from common.corpus import SplitRows, load_corpus_meta
-from common.hf import REMOTE_CODE, REMOTE_DIR
 from common.io import FolderLock, sha256_file
 from common.model import MaskedLM, ReplacedTokenDetector, count_parameters
 from common.shards import MANIFEST_FILE, data_fingerprint
@@ -66,18 +66,16 @@ class Trained:
 
 
 def require_transformers():
-    """transformers >= 5 and safetensors, or an error with the install command."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: nothing is looked up
+    """transformers >= 5 and safetensors (imported offline by common/hf.py), or an error with the install command."""
     try:
         import safetensors  # noqa: F401
-        import transformers
-    except ImportError:
+        transformers = hf.transformers()
+    except (ImportError, hf.HFError):
         raise ExportError("make export needs the optional extra: pip install -e '.[hf]' "
                           "(transformers, tokenizers, safetensors)") from None
     if int(transformers.__version__.split(".")[0]) < 5:
         raise ExportError(f"make export needs transformers >= 5 (its config and tied-weight formats); found "
                           f"{transformers.__version__}: pip install -e '.[hf]'")
-    transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     return transformers
 
@@ -218,7 +216,7 @@ def hf_weights(trained: Trained) -> tuple[dict, int, int]:
 def load_remote_config_class():
     """FastElectraConfig from common/hf_remote (it imports transformers only, so it loads on its own)."""
     spec = importlib.util.spec_from_file_location("fast_electra_export_config",
-                                                  REMOTE_DIR / "configuration_fast_electra.py")
+                                                  hf.REMOTE_DIR / "configuration_fast_electra.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FastElectraConfig
@@ -243,7 +241,7 @@ def write_config(trained: Trained, vocab: int, pad: int, folder: Path) -> dict:
 
 def copy_remote_code(folder: Path) -> None:
     """common/hf_remote's two files and common/model.py, under the names the modeling file imports."""
-    for name, source in REMOTE_CODE.items():
+    for name, source in hf.REMOTE_CODE.items():
         shutil.copyfile(source, folder / name)
 
 
