@@ -314,6 +314,15 @@ def check_output(out: Path, force: bool) -> None:
                           f"to replace it")
 
 
+def check_sources_outside(trained: Trained, out: Path) -> None:
+    """--force replaces `out`: refuse one that holds what the export reads (`--out RUN --force` would delete the run)."""
+    sources = [trained.facts.get(key) for key in ("checkpoint", "run_dir", "corpus_dir", "data_dir")]
+    inside = [p for p in sources if p and Path(p).resolve().is_relative_to(out.resolve())]
+    if inside:
+        raise ExportError(f"output folder {out} holds {inside[0]}, which the export reads (--force would delete it); "
+                          f"choose another --out")
+
+
 def publish(staging: Path, out: Path) -> None:
     """Rename the finished folder into place; a replaced one (--force) is removed only afterwards."""
     old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
@@ -329,6 +338,7 @@ def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
     published)."""
     transformers = require_transformers()
     check_output(out, force)
+    check_sources_outside(trained, out)
     with FolderLock(out, "python -m export"):
         staging = out.with_name(f".{out.name}.export-tmp")
         if staging.exists():

@@ -245,6 +245,17 @@ def test_bad_input_stops_with_the_path_and_writes_nothing(exported, tmp_path, ca
     assert not list(out.parent.glob(f".{out.name}*"))
 
 
+def test_force_never_replaces_a_folder_the_export_reads(exported, tmp_path, capsys):
+    import shutil
+    _, _, out = exported
+    run = shutil.copytree(out.parent / "run", tmp_path / "run")
+    for target in (run, tmp_path):
+        assert export_main(["--run", str(run), "--out", str(target), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert f"output folder {target} holds" in err and "which the export reads" in err, err
+        assert list((run / "checkpoints").glob("step-*.pt"))
+
+
 def test_force_replaces_an_export_and_a_missing_extra_names_the_install_command(exported, tmp_path, monkeypatch,
                                                                                 capsys):
     config, _, out = exported
