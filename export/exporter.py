@@ -345,7 +345,7 @@ def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
             shutil.rmtree(staging)  # left by a killed export
         staging.mkdir(parents=True)
         try:
-            summary = build(trained, staging, out.name, transformers)
+            summary = build(trained, staging, out, transformers)
             publish(staging, out)
         finally:
             if staging.exists():
@@ -354,8 +354,8 @@ def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
     return out
 
 
-def build(trained: Trained, staging: Path, name: str, transformers) -> str:
-    """Every file of the export in `staging`, checked against our model; returns a one-line description."""
+def build(trained: Trained, staging: Path, out: Path, transformers) -> str:
+    """Every file of the export to `out`, in `staging`, checked against our model; returns a one-line description."""
     from safetensors.torch import save_file
     tensors, vocab, pad = hf_weights(trained)
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
@@ -365,9 +365,10 @@ def build(trained: Trained, staging: Path, name: str, transformers) -> str:
     check_tokenizer(trained, staging, transformers)
     diff = verify(trained, staging, transformers)
     if not diff <= PROBE_TOLERANCE:
-        raise ExportError(f"the export in {staging} does not reproduce {trained.facts['checkpoint']}: "
-                          f"max |difference| {diff:.3g} on a probe batch (tolerance {PROBE_TOLERANCE})")
+        raise ExportError(f"the export of {trained.facts['checkpoint']} does not reproduce it under transformers: "
+                          f"max |difference| {diff:.3g} on a probe batch (tolerance {PROBE_TOLERANCE}); nothing "
+                          f"was written to {out}")
     parameters = count_parameters(our_model(trained))
-    (staging / "README.md").write_text(model_card(trained, config, tokenizer_facts, parameters, name))
+    (staging / "README.md").write_text(model_card(trained, config, tokenizer_facts, parameters, out.name))
     return (f"{config['architectures'][0]}, {parameters / 1e6:.2f}M parameters, vocabulary {vocab}, tokenizer "
             f"{tokenizer_facts['kind']}; transformers reproduces it on a probe batch within {diff:.1e}")
