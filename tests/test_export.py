@@ -274,7 +274,8 @@ def test_force_replaces_an_export_and_a_missing_extra_names_the_install_command(
 
 
 def test_common_model_stands_alone_for_the_export():
-    """The file copied into every export imports torch and the standard library only, and its [PAD] id is ours."""
+    """The file copied into every export imports torch and the standard library only, and its [PAD] id is ours;
+    the other two remote files import torch, transformers and their siblings only."""
     import common.model
     tree = ast.parse((ROOT / "common" / "model.py").read_text())
     modules = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
@@ -282,6 +283,13 @@ def test_common_model_stands_alone_for_the_export():
                for a in (n.names if isinstance(n, ast.Import) else [None])}
     assert modules <= {"__future__", "math", "typing", "torch"}, modules
     assert common.model.PAD_ID == PAD_ID
+    for path in sorted((ROOT / "common" / "hf_remote").glob("*.py")):  # the rest of the remote code
+        tree = ast.parse(path.read_text())
+        absolute = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        absolute |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        siblings = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+        assert absolute <= {"dataclasses", "torch", "transformers"}, (path.name, absolute)
+        assert siblings <= {"configuration_fast_electra", "fast_electra_encoder"}, (path.name, siblings)
 
 
 def test_an_export_whose_code_is_not_ours_is_refused_as_an_hf_aux(exported, tmp_path):
