@@ -193,6 +193,14 @@ def test_our_aux_model_exports_and_comes_back_as_an_hf_aux_with_the_same_logits(
         old = ours(hf_of[ids], mask, flags)[:, hf_of]     # the same text in the old ids, columns reordered
     assert new.shape == (12, tok.vocab_size)
     assert (new - old).abs().max() <= 1e-5
+    mlm = load("AutoModelForMaskedLM", out).eval()  # new entries (added tokens): the tied table and the bias grow
+    ids = torch.tensor([[2, 7, 9, 4, 3]])
+    with torch.no_grad():
+        before = mlm(input_ids=ids).logits
+        mlm.resize_token_embeddings(mlm.config.vocab_size + 8)
+        after = mlm(input_ids=ids).logits
+    assert mlm.head.embedding.weight is mlm.get_input_embeddings().weight and after.shape[-1] == before.shape[-1] + 8
+    assert torch.equal(after[..., :before.shape[-1]], before) and mlm.head.bias[-8:].abs().max() == 0
 
 
 def test_a_run_on_an_hf_tokenizer_exports_with_that_tokenizer_in_native_ids(tmp_path):
