@@ -95,6 +95,10 @@ def load_backbone(checkpoint: str | None, manifest: str, init: str, corpus: str 
     source = {"init": init, "tokenizer": str(tokenizer.path), "tokenizer_sha256": tokenizer.sha256,
               "model": dataclasses.asdict(config.model)}
     weights = None
+    if state is not None and state.get("tokenizer_sha256") not in (None, "", tokenizer.sha256):
+        raise IncompatibleInputs(f"checkpoint {ckpt_path} was trained on data made with tokenizer "
+                                 f"{state['tokenizer_sha256'][:12]}, but {tokenizer.path} is {tokenizer.sha256[:12]}: "
+                                 f"pass --corpus with the corpus the run's shards were made from")
     if state is not None:
         weights = encoder_weights(state["model"])
         vocab = weights["embed.weight"].shape[0] if "embed.weight" in weights else -1
@@ -301,6 +305,10 @@ def load_task(cfg: FinetuneConfig, tasks_dir: Path) -> tuple[Path, Examples, Exa
     train, names = read_split(folder / tc.train_file, tc.columns, tc.text_a, tc.text_b, tc.label, tc.regression,
                               tc.labels or None)
     dev, _ = read_split(folder / tc.dev_file, tc.columns, tc.text_a, tc.text_b, tc.label, tc.regression, names)
+    if 0 < tc.train_examples < len(train):
+        keep = np.sort(np.random.default_rng(0).permutation(len(train))[:tc.train_examples])  # one sample for all runs
+        train = Examples([train.text_a[i] for i in keep],
+                         None if train.text_b is None else [train.text_b[i] for i in keep], train.labels[keep])
     return folder, train, dev, names
 
 

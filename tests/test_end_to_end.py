@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from common.config import dump_toml
 from common.corpus import load_split
@@ -73,6 +74,9 @@ def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path,
     assert summary["end"]["step"] == steps and summary["temperature_consumed"][1] == 2.0
     assert "RTD loss" in result.stdout and "recall (replaced tokens)" in result.stdout
     assert (run / "checkpoints" / f"step-{steps:08d}.pt").is_file()
+    final = torch.load(run / "checkpoints" / f"step-{steps:08d}.pt", weights_only=True)
+    corpus_tokenizer = json.loads((built.corpus_dir / "corpus.json").read_text())["tokenizer_sha256"]
+    assert final["tokenizer_sha256"] == data_manifest["tokenizer_sha256"] == corpus_tokenizer  # recorded for export
     assert (run / "resolved_manifest.toml").is_file()
 
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from common.checkpoint import IncompatibleInputs
 from common.config import ConfigError, config_to_dict
 from common.model import ReplacedTokenDetector
-from common.tokenizer import train_tokenizer
+from common.tokenizer import Tokenizer, train_tokenizer
 from tests.conftest import WORDS, tiny_config
 from finetune import __main__ as finetune_cli, finetuner as ft
 from finetune import rotten_tomatoes as rt
@@ -307,6 +308,21 @@ def test_embedding_rows_rescaled_same_function_faster_turning(backbone_files):
         moved = model.encoder.embed.weight[ids[0, 1:4]].detach()
         turned[rescale] = (1 - torch.nn.functional.cosine_similarity(rows, moved, dim=1)).mean().item()
     assert turned[True] > 100 * turned[False]     # the angle's cosine gap grows as the square of the ratio
+
+
+def test_a_checkpoint_from_another_tokenizers_data_is_refused_naming_both(backbone_files, tmp_path):
+    work, config, checkpoint, model = backbone_files
+    other = tmp_path / "checkpoints" / "step-00000012.pt"
+    other.parent.mkdir(parents=True)
+    torch.save({"step": 12, "model": model.state_dict(), "config": config_to_dict(config),
+                "tokenizer_sha256": "f" * 64}, other)
+    with pytest.raises(IncompatibleInputs, match=rf"{other} was trained on data made with tokenizer f{{12}}, "
+                                                 rf"but .*tokenizer.model is [0-9a-f]{{12}}"):
+        ft.load_backbone(str(other), "unused", "pretrained", str(config.corpus_dir))
+    same = Tokenizer(config.corpus_dir / "tokenizer.model").sha256
+    torch.save({"step": 12, "model": model.state_dict(), "config": config_to_dict(config),
+                "tokenizer_sha256": same}, other)
+    assert ft.load_backbone(str(other), "unused", "pretrained", str(config.corpus_dir)).encoder_state is not None
 
 
 def test_regression_pair_task_reports_spearman(backbone_files, tmp_path):

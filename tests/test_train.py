@@ -33,6 +33,16 @@ def test_data_manifest_must_match_the_model_config(tmp_path):
         load_data_manifest(tmp_path / "missing", config)
 
 
+def test_shards_made_with_another_tokenizer_than_the_runs_corpus_are_refused_naming_both(tmp_path):
+    config = tiny_config(tmp_path)
+    config.corpus_dir.mkdir(parents=True)
+    (config.corpus_dir / "corpus.json").write_text(json.dumps({"tokenizer_sha256": "a" * 64}))
+    load_data_manifest(_manifest(tmp_path / "same", tokenizer_sha256="a" * 64), config)
+    with pytest.raises(IncompatibleInputs, match=rf"made with tokenizer b{{12}}, but this run's corpus "
+                                                 rf"{config.corpus_dir} has tokenizer a{{12}}"):
+        load_data_manifest(_manifest(tmp_path / "other", tokenizer_sha256="b" * 64), config)
+
+
 def test_rank_slices_partition_the_global_batch():
     for world in (1, 2, 4):
         rows = [r for step in range(3) for rank in range(world) for r in range(*rank_slice(step, 8, rank, world))]

@@ -47,6 +47,14 @@ def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, s
     if manifest["max_seq_len"] != config.corpus.max_seq_len:
         raise IncompatibleInputs(f"shards in {data_dir} have sequence length {manifest['max_seq_len']} but the "
                                  f"manifest config has corpus.max_seq_len = {config.corpus.max_seq_len}")
+    corpus_meta = Path(config.corpus_dir) / "corpus.json"  # the corpus whose tokenizer reads this run's model later
+    if corpus_meta.is_file() and manifest.get("tokenizer_sha256"):
+        ours = json.loads(corpus_meta.read_text()).get("tokenizer_sha256")
+        if ours and ours != manifest["tokenizer_sha256"]:
+            raise IncompatibleInputs(f"shards in {data_dir} were made with tokenizer {manifest['tokenizer_sha256'][:12]}, "
+                                     f"but this run's corpus {config.corpus_dir} has tokenizer {ours[:12]}: fine-tuning "
+                                     f"and export would read the model with the wrong ids (regenerate the shards, or "
+                                     f"point work_dir / corpus.source at the corpus they were made from)")
     schema = [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA]
     if manifest["schema"] != schema:
         raise IncompatibleInputs(f"shards in {data_dir} have schema {manifest['schema']}, the trainer reads {schema}")

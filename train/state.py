@@ -2,7 +2,7 @@
 
 A checkpoint holds the model, optimizer and scheduler, the step (hence the data position:
 `rows_consumed` = step x batch size), every rank's RNG state, the resolved config, the data
-manifest's hash, and `Progress` (the counters and metric history the loop carries). Killed at
+manifest's hash, the tokenizer's, and `Progress` (the counters and metric history the loop carries). Killed at
 any step and resumed, a run reproduces the uninterrupted run's per-step losses (bitwise on CPU).
 """
 from __future__ import annotations
@@ -29,8 +29,9 @@ class Progress:
 
 
 def save(ckpt_dir: Path, keep: int, progress: Progress, model, optimizer, scheduler, config: RunConfig,
-         manifest_hash: str, rank: int, world: int, device: torch.device) -> None:
-    """Collective (every rank calls it): gathers every rank's dropout stream, rank 0 writes."""
+         manifest_hash: str, rank: int, world: int, device: torch.device, tokenizer_sha256: str = "") -> None:
+    """Collective (every rank calls it): gathers every rank's dropout stream, rank 0 writes. `tokenizer_sha256`:
+    the tokenizer the data was made with, so fine-tuning and export can refuse another one."""
     own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     rng_states = gather_objects(own, world)
     if rank != 0:
@@ -39,7 +40,7 @@ def save(ckpt_dir: Path, keep: int, progress: Progress, model, optimizer, schedu
         "step": progress.step, "rows_consumed": progress.step * config.train.batch_size,
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "rng": rng_states, "world_size": world, "config": config_to_dict(config),
-        "data_manifest_sha256": manifest_hash, "history": progress.history,
+        "data_manifest_sha256": manifest_hash, "tokenizer_sha256": tokenizer_sha256, "history": progress.history,
         "nonfinite_total": progress.nonfinite_total, "nonfinite_run": progress.nonfinite_run,
     }, ckpt_dir, keep)
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from common.checkpoint import AUX_FILE, latest_checkpoint
 from common.config import ConfigError, RunConfig, load_manifest, save_resolved
+from common.corpus import load_corpus_meta
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
 from common.io import FolderLock, atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector, count_parameters
@@ -61,13 +62,14 @@ def evaluate(model, valid, device, autocast, batch_size: int = 64) -> dict:
 
 
 def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
-    """(training stream, validation rows, vocabulary size, replaced-token prior, data key, data description)."""
+    """(training stream, validation rows, vocabulary size, replaced-token prior, data key, data description,
+    the sha256 of the tokenizer the data was made with)."""
     objective_name = config.train.objective
     if objective_name == "fast-offline":  # the product: shards written once by generate/
         data_dir = Path(args.data) if args.data else config.epochs_dir
         manifest, manifest_hash = load_data_manifest(data_dir, config)
         return (training_stream(data_dir, manifest), validation_stream(data_dir, manifest), manifest["vocab_size"],
-                replaced_rate(manifest), manifest_hash, data_dir)
+                replaced_rate(manifest), manifest_hash, data_dir, manifest.get("tokenizer_sha256", ""))
     # fast-online: the same rows, corrupted in the loop by the frozen aux model; electra: by the generator
     from train.online import online_streams
     corpus_dir = Path(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
@@ -75,7 +77,8 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
     stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, device.type,
                                                               corrupt=objective_name == "fast-online")
     prior = config.generate.mask_prob  # nearly every masked position is replaced (shards: ~0.99)
-    return stream, valid, vocab_size, prior, manifest_hash, f"{objective_name} from {corpus_dir} (validation rows by {aux_path})"
+    return (stream, valid, vocab_size, prior, manifest_hash, f"{objective_name} from {corpus_dir} (validation rows by "
+            f"{aux_path})", load_corpus_meta(corpus_dir)["tokenizer_sha256"])
 
 
 def accumulate(ddp_model, batches: list[dict], device, autocast, world: int, electra: bool, electra_lambda: float):
@@ -148,7 +151,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     if tc.batch_size % (world * tc.grad_accum):
         raise ConfigError(f"train.batch_size {tc.batch_size} must be divisible by ranks x grad_accum "
                           f"= {world} x {tc.grad_accum}")
-    stream, valid, vocab_size, prior, manifest_hash, data_desc = open_streams(config, args, device)
+    stream, valid, vocab_size, prior, manifest_hash, data_desc, tokenizer_sha256 = open_streams(config, args, device)
     # Every shard's sha256, while the model is built and the step-0 evaluation runs (fast-offline).
     checking = ThreadPoolExecutor(max_workers=1).submit(stream.verify, rank, world) \
         if tc.verify_shards and hasattr(stream, "verify") else None
@@ -272,7 +275,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                 last_plot = time.time()
         if step % tc.ckpt_every == 0 or final:
             state.save(ckpt_dir, tc.keep_checkpoints, progress, model, optimizer, scheduler, config, manifest_hash,
-                       rank, world, device)
+                       rank, world, device, tokenizer_sha256)
         if after_step:
             after_step(step)
     bar.close()
@@ -300,17 +303,21 @@ def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: 
                "end": end, "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
                "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir), "corpus": corpus}
     atomic_write_json(run_dir / "summary.json", summary)
-    lines = [
-        "",
-        f"Fast-ELECTRA run: {total_steps} steps on {device}, {tokens_per_s:.0f} tokens/s (this session); corpus {corpus}",
-        f"  validation (held-out rows, T = 1)   step {start['step']:>6}   step {end['step']:>6}",
-        f"    RTD loss                          {start['loss']:>11.4f}   {end['loss']:>11.4f}",
-        f"    accuracy                          {start['accuracy']:>11.4f}   {end['accuracy']:>11.4f}",
-        f"    recall (replaced tokens)          {start['recall']:>11.4f}   {end['recall']:>11.4f}",
-        f"    precision (replaced tokens)       {start['precision']:>11.4f}   {end['precision']:>11.4f}",
-        f"    AUC                               {start['auc']:>11.4f}   {end['auc']:>11.4f}",
-        f"  temperatures consumed: {consumed[0]:.4f} .. {consumed[1]:.4f}",
-        f"  outputs: {run_dir}/metrics.jsonl, curves.png, summary.json, checkpoints/",
-    ]
-    print("\n".join(lines))
+    print("\n" + summary_text(summary))
     return summary
+
+
+def summary_text(summary: dict) -> str:
+    """What the end of a run prints, from its summary.json alone (the README's example is checked
+    against a recorded one this way: tests/test_readme.py)."""
+    start, end, consumed = summary["start"], summary["end"], summary["temperature_consumed"]
+    rows = [("RTD loss", "loss"), ("accuracy", "accuracy"), ("recall (replaced tokens)", "recall"),
+            ("precision (replaced tokens)", "precision"), ("AUC", "auc")]
+    return "\n".join([
+        f"Fast-ELECTRA run: {summary['steps']} steps on {summary['device']}, {summary['tokens_per_s']:.0f} tokens/s "
+        f"(this session); corpus {summary['corpus']}",
+        f"  validation (held-out rows, T = 1)   step {start['step']:>6}   step {end['step']:>6}",
+        *(f"    {label:<34}{start[key]:>11.4f}   {end[key]:>11.4f}" for label, key in rows),
+        f"  temperatures consumed: {consumed[0]:.4f} .. {consumed[1]:.4f}",
+        f"  outputs: {summary['run_dir']}/metrics.jsonl, curves.png, summary.json, checkpoints/",
+    ])
