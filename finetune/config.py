@@ -46,6 +46,8 @@ class TaskConfig:
     """Class names in order (empty: the training file's, sorted); the second is F1's positive class."""
     metric: str = ""
     """Metric that picks the best grid point; empty: 'spearman' for regression, else 'accuracy'."""
+    train_examples: int = 0
+    """Train on a seeded sample of this many training examples (0 = all): few-label fine-tuning."""
 
     def __post_init__(self):
         if self.metric and self.metric not in METRICS:
@@ -54,6 +56,8 @@ class TaskConfig:
             raise ConfigError(f"finetune.task.metric {self.metric!r} does not apply to a regression task")
         if not self.regression and self.metric in ("spearman", "pearson"):
             raise ConfigError(f"finetune.task.metric {self.metric!r} needs task.regression = true")
+        if self.train_examples < 0:
+            raise ConfigError(f"finetune.task.train_examples must be >= 0, got {self.train_examples}")
         if self.labels and len(set(self.labels)) != len(self.labels) or len(self.labels) == 1:
             raise ConfigError(f"finetune.task.labels must be at least 2 distinct names, got {self.labels}")
 
