@@ -132,6 +132,11 @@ def from_run(run: Path, corpus: Path | None = None, data: Path | None = None) ->
     vocab_size = weights["encoder.embed.weight"].shape[0]
     corpus_dir = corpus or config.corpus_dir
     tokenizer = open_corpus_tokenizer(corpus_dir, vocab_size, path)
+    recorded = state.get("tokenizer_sha256") or ""  # the corpus.json hash the trainer saw; older checkpoints: none
+    if recorded and recorded != tokenizer.sha256:
+        raise ExportError(f"checkpoint {path} was trained on data made with tokenizer {recorded[:12]}, but "
+                          f"{tokenizer.path} is {tokenizer.sha256[:12]}: the export would read the model with the "
+                          f"wrong ids; pass --corpus with the corpus the run's shards were made from")
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

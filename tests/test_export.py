@@ -49,10 +49,14 @@ def perturbed_detector(config, vocab_size: int, seed: int = 0) -> ReplacedTokenD
     return model.eval()
 
 
-def save_run(config, model, run_dir: Path, data_dir: Path | None = None) -> Path:
-    """A run folder as the trainer leaves it: checkpoints/step-XXXXXXXX.pt (train.state.save), summary.json
-    (train.trainer.write_summary), resolved_manifest.toml; optionally a data manifest it was trained on."""
+def save_run(config, model, run_dir: Path, data_dir: Path | None = None, tokenizer_sha256: str | None = None) -> Path:
+    """A run folder as the trainer leaves it: checkpoints/step-XXXXXXXX.pt (train.state.save; the tokenizer hash
+    of corpus.json, as the trainer records it, unless given), summary.json (train.trainer.write_summary),
+    resolved_manifest.toml; optionally a data manifest it was trained on."""
+    from common.corpus import load_corpus_meta
     from train.trainer import write_summary
+    if tokenizer_sha256 is None:
+        tokenizer_sha256 = load_corpus_meta(config.corpus_dir)["tokenizer_sha256"]
     fingerprint = "no-data-manifest"
     if data_dir is not None:  # two shards of 64 rows: 1000 and 1200 tokens
         manifest = {"generation_key": "k", "valid": {"shards": []}, "epochs": [{"shards": [
@@ -66,7 +70,7 @@ def save_run(config, model, run_dir: Path, data_dir: Path | None = None) -> Path
     history = {"start": {"step": 0, **METRICS, "auc": 0.5}, "last": {"step": STEPS, **METRICS},
                "temperature_consumed": [1.0, 1.9]}
     state.save(run_dir / "checkpoints", 2, state.Progress(STEPS, history), model, optimizer, scheduler, config,
-               fingerprint, 0, 1, torch.device("cpu"))
+               fingerprint, 0, 1, torch.device("cpu"), tokenizer_sha256)
     save_resolved(config, run_dir)
     write_summary(run_dir, history, STEPS, 0, 100.0, 0, "cpu", planned_steps=STEPS, corpus=config.corpus.source)
     return run_dir
@@ -263,6 +267,19 @@ def test_force_never_replaces_a_folder_the_export_reads(exported, tmp_path, caps
         err = capsys.readouterr().err
         assert f"output folder {target} holds" in err and "which the export reads" in err, err
         assert list((run / "checkpoints").glob("step-*.pt"))
+
+
+def test_a_checkpoint_trained_on_another_tokenizer_is_refused_naming_both(exported, tmp_path):
+    """Runs record corpus.json's tokenizer hash (save_run, as the trainer; every export here passes the check, the
+    hf: one included); another hash is refused, an older checkpoint without one exports."""
+    config, model, _ = exported
+    tok = open_tokenizer(config.corpus_dir)
+    run = save_run(config, model, tmp_path / "run", tokenizer_sha256="ab" * 32)
+    with pytest.raises(ValueError, match="trained on data made with tokenizer") as error:
+        from_run(run)
+    for part in (str(run / "checkpoints" / f"step-{STEPS:08d}.pt"), "ab" * 6, tok.sha256[:12], str(tok.path)):
+        assert part in str(error.value), (part, str(error.value))
+    assert from_run(save_run(config, model, tmp_path / "old", tokenizer_sha256="")).tokenizer.sha256 == tok.sha256
 
 
 def test_force_replaces_an_export_and_a_missing_extra_names_the_install_command(exported, tmp_path, monkeypatch,
