@@ -117,6 +117,7 @@ def test_the_export_holds_weights_config_tokenizer_card_and_remote_code(exported
 
 
 def test_hidden_states_and_rtd_logits_equal_ours_with_padding(exported):
+    """... and the RTD loss scores labelled non-padding tokens only (labels -100: not scored)."""
     config, ours, out = exported
     tokenizer = auto("AutoTokenizer").from_pretrained(str(out), trust_remote_code=True)
     batch = batch_of(tokenizer, corpus_texts(config, 6))
@@ -127,8 +128,15 @@ def test_hidden_states_and_rtd_logits_equal_ours_with_padding(exported):
         hidden = load("AutoModel", out).eval()(**batch).last_hidden_state
         assert hidden.dtype == torch.float32
         assert (hidden - ours.encoder(batch["input_ids"], mask))[keep].abs().max() <= 1e-5
-        logits = load("AutoModelForPreTraining", out).eval()(**batch).logits
+        detector = load("AutoModelForPreTraining", out).eval()
+        logits = detector(**batch).logits
         assert (logits - ours(batch["input_ids"], mask))[keep].abs().max() <= 1e-5
+        labels = (torch.arange(mask.numel()).view(mask.shape) % 3 == 0).long()
+        labels[:, 1::4] = -100
+        labels[~keep] = 1  # padding: never scored, whatever its label
+        scored = keep & (labels != -100)
+        expected = torch.nn.functional.binary_cross_entropy_with_logits(logits[scored], labels[scored].float())
+        assert torch.allclose(detector(**batch, labels=labels).loss, expected)
 
 
 def _train(model, dataset, collator, tmp_path: Path, steps: int = 8):

@@ -33,7 +33,8 @@ from .fast_electra_encoder import Encoder, MLMHead, RelativePositionBias, RTDHea
 
 @dataclass
 class FastElectraForPreTrainingOutput(ModelOutput):
-    """`logits`: (batch, length), > 0 = the token was replaced; `loss`: mean BCE over non-padding tokens."""
+    """`logits`: (batch, length), > 0 = the token was replaced; `loss`: mean BCE over the scored (label not -100)
+    non-padding tokens."""
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
 
@@ -115,15 +116,15 @@ class FastElectraForPreTraining(FastElectraPreTrainedModel):
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 output_attentions: bool | None = None, output_hidden_states: bool | None = None,
                 return_dict: bool | None = None):
-        """`labels`: (batch, length), 1 = replaced; the loss is the mean over non-padding tokens, as in
-        the project's trainer."""
+        """`labels`: (batch, length), 1 = replaced, -100 = not scored (Hugging Face's convention); the loss is
+        the mean BCE over the scored non-padding tokens, as in the project's trainer."""
         _refuse_extras(output_attentions, output_hidden_states)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         logits = self.head(self.fast_electra(input_ids, attention_mask).last_hidden_state)
         loss = None
         if labels is not None:
-            keep = attention_mask.bool()
+            keep = attention_mask.bool() & (labels != -100)
             loss = F.binary_cross_entropy_with_logits(logits[keep].float(), labels[keep].float())
         return _result(FastElectraForPreTrainingOutput(loss=loss, logits=logits), return_dict)
 
