@@ -1,13 +1,15 @@
 """Small file helpers: atomic writes and content hashes.
 
 Every file a stage publishes is written to a temporary name in the same folder
-and renamed into place, so a crash never leaves a partial file under a final name.
+and renamed into place, so a crash never leaves a partial file under a final name;
+a folder likewise is built under a temporary sibling and swapped in (`publish_folder`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,6 +60,24 @@ def remove_stale_tmp(folder: str | Path) -> int:
         p.unlink(missing_ok=True)
         count += 1
     return count
+
+
+def publish_folder(staging: str | Path, out: str | Path) -> None:
+    """Rename the finished folder `staging` to `out` (a sibling: the same file system). An existing `out` is
+    moved aside first and removed only once the new one is in place; if that rename fails, it is put back.
+    The caller holds `out`'s FolderLock (the aside name, `.NAME.old`, is the same for every writer)."""
+    staging, out = Path(staging), Path(out)
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)  # left by a swap that was killed
+    if out.exists():
+        out.rename(old)
+    try:
+        staging.rename(out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class FolderLocked(RuntimeError):

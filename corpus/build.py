@@ -29,7 +29,8 @@ import pyarrow as pa
 
 from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
-from common.io import FolderLock, atomic_path, atomic_write_json, atomic_write_text, remove_stale_tmp, sha256_file
+from common.io import (FolderLock, atomic_path, atomic_write_json, atomic_write_text, publish_folder, remove_stale_tmp,
+                       sha256_file)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, write_parquet
 from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
                             source_files, work_units)
@@ -429,13 +430,8 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
 
 def _publish(staging: Path, out_dir: Path) -> None:
     """The complete staging folder takes the place of `out_dir`; the old corpus is removed only after."""
-    old = out_dir.with_name(f".{out_dir.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out_dir.exists():
-        out_dir.rename(old)
-    staging.rename(out_dir)
+    publish_folder(staging, out_dir)
     (out_dir / "key.json").unlink()
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def corpus_is_current(config: RunConfig, corpus_dir: Path, source: str) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from common import hf
 from common.checkpoint import latest_checkpoint, read_aux_meta, safe_load
 from common.config import ModelConfig, RunConfig, config_from_dict, load_manifest
 from common.corpus import SplitRows, load_corpus_meta
-from common.io import FolderLock, sha256_file
+from common.io import FolderLock, publish_folder, sha256_file
 from common.model import MaskedLM, ReplacedTokenDetector, count_parameters
 from common.shards import MANIFEST_FILE, data_fingerprint
 from common.tokenizer import PAD_ID, open_tokenizer
@@ -328,16 +327,6 @@ def check_sources_outside(trained: Trained, out: Path) -> None:
                           f"choose another --out")
 
 
-def publish(staging: Path, out: Path) -> None:
-    """Rename the finished folder into place; a replaced one (--force) is removed only afterwards."""
-    old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
     """Write `trained` as a Hugging Face model directory at `out` (atomically; verified before it is
     published)."""
@@ -351,7 +340,7 @@ def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
         staging.mkdir(parents=True)
         try:
             summary = build(trained, staging, out, transformers)
-            publish(staging, out)
+            publish_folder(staging, out)  # a replaced one (--force) is removed only afterwards
         finally:
             if staging.exists():
                 shutil.rmtree(staging)

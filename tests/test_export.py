@@ -306,6 +306,30 @@ def test_force_replaces_an_export_and_a_missing_extra_names_the_install_command(
     assert "pip install -e '.[hf]'" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
+def test_a_swap_that_fails_puts_the_replaced_folder_back(tmp_path, monkeypatch):
+    """common.io.publish_folder, the last step of an export (and of a corpus build): when the finished folder
+    cannot be renamed into place, the folder --force was replacing is back under its name."""
+    from common.io import publish_folder
+    staging, out = tmp_path / ".out.export-tmp", tmp_path / "out"
+    for folder, text in ((staging, "new"), (out, "old")):
+        folder.mkdir()
+        (folder / "file.txt").write_text(text)
+    real = Path.rename
+
+    def rename(self, target):
+        if self == staging:
+            raise OSError(28, "No space left on device", str(self))
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="No space left"):
+        publish_folder(staging, out)
+    assert (out / "file.txt").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [staging.name, "out"]
+    monkeypatch.undo()
+    publish_folder(staging, out)
+    assert (out / "file.txt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_common_model_stands_alone_for_the_export():
     """The file copied into every export imports torch and the standard library only, and its [PAD] id is ours;
     the other two remote files import torch, transformers and their siblings only."""
