@@ -324,7 +324,8 @@ def test_a_swap_that_fails_puts_the_replaced_folder_back(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "rename", rename)
     with pytest.raises(OSError, match="No space left"):
         publish_folder(staging, out)
-    assert (out / "file.txt").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [staging.name, "out"]
+    assert (out / "file.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [staging.name, "out"]
     monkeypatch.undo()
     publish_folder(staging, out)
     assert (out / "file.txt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
