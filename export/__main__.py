@@ -34,8 +34,11 @@ def main(argv=None) -> int:
         else:
             trained = from_aux(Path(args.aux), corpus)
         export(trained, out, force=args.force)
-    except (ValueError, FileNotFoundError, FolderLocked) as e:  # ExportError; config, corpus, checkpoint, hf: errors
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, FolderLocked) as e:  # ExportError; config, corpus, checkpoint, hf:, file errors
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        return 2
+    except KeyError as e:  # a file of the right kind without an entry the export reads
+        print(f"error: {args.run or args.aux} has no entry {e}: not a file this project wrote", file=sys.stderr)
         return 2
     return 0
 

@@ -168,6 +168,11 @@ def from_aux(aux_path: Path, corpus: Path | None = None) -> Trained:
         raise ExportError(f"{aux_path} records the Hugging Face model {meta['source']}: it is a model directory "
                           f"already, nothing to export")
     payload = safe_load(aux_path)
+    needed = ("model_config", "num_layers", "vocab_size", "tokenizer_sha256", "state_dict")
+    missing = [k for k in needed if k not in payload] if isinstance(payload, dict) else list(needed)
+    if missing or "encoder.embed.weight" not in payload["state_dict"]:
+        what = ", ".join(missing) or "encoder weights"
+        raise ExportError(f"{aux_path} is not an aux model this project wrote (no {what}); make aux writes one")
     cfg = ModelConfig(**payload["model_config"])
     folder = aux_path.parent
     resolved = folder / "resolved_manifest.toml"
@@ -341,6 +346,9 @@ def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
         try:
             summary = build(trained, staging, out, transformers)
             publish_folder(staging, out)  # a replaced one (--force) is removed only afterwards
+        except OSError as e:  # a write that failed, or transformers not reading the folder back
+            raise ExportError(f"the export of {trained.facts['checkpoint']} to {out} failed: "
+                              f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
         finally:
             if staging.exists():
                 shutil.rmtree(staging)

@@ -266,6 +266,30 @@ def test_bad_input_stops_with_the_path_and_writes_nothing(exported, tmp_path, ca
     assert not list(out.parent.glob(f".{out.name}*"))
 
 
+def test_a_malformed_aux_pt_and_an_os_error_end_in_one_error_line_naming_the_file(exported, tmp_path, monkeypatch,
+                                                                                  capsys):
+    import shutil
+    import export.exporter as exporter
+    from common.checkpoint import AUX_FILE, AUX_META, safe_load
+    config, _, out = exported
+    payload = safe_load(config.aux_dir / AUX_FILE)
+    for name, broken in (("entries", {"format_version": 1, "model_config": payload["model_config"]}),
+                         ("weights", {**payload, "state_dict": {"head.bias": payload["state_dict"]["head.bias"]}})):
+        aux = tmp_path / name / AUX_FILE
+        aux.parent.mkdir()
+        torch.save(broken, aux)
+        shutil.copyfile(config.aux_dir / AUX_META, aux.with_name(AUX_META))
+        assert export_main(["--aux", str(aux), "--out", str(tmp_path / "x"), "--corpus", str(config.corpus_dir)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and f"{aux} is not an aux model" in err, err
+    monkeypatch.setattr(exporter, "verify", lambda trained, folder, tf: open(folder / "missing.json"))
+    assert export_main(["--run", str(out.parent / "run"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "missing.json" in err, err
+    assert f"export of {out.parent / 'run' / 'checkpoints'}" in err and f"to {tmp_path / 'x'} failed" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entries", "weights"]
+
+
 def test_force_never_replaces_a_folder_the_export_reads(exported, tmp_path, capsys):
     import shutil
     _, _, out = exported
