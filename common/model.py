@@ -77,11 +77,10 @@ class RelativePositionBias(nn.Module):
         and its two neighbours alike and farther ones by |d|^-s_h; slopes s_h evenly from `locality`
         (head 0) down to 0 (the last head attends uniformly, as under T5's init).
 
-        A deviation from the paper (section 4.1 takes T5's bias, initialised near zero). Measured on
-        the tiny preset, the RTD loss sits at its base rate for ~600 updates while the learned bias
-        turns local (three heads end with +7..+8 on a neighbour, the fourth on distance 2, all four
-        with -4..-8 on the token itself); a local start skips that wait. Applies to every model built
-        with it: main, aux, generator, fine-tuning."""
+        A deviation from the paper (section 4.1 takes T5's bias, initialised near zero): from a zero
+        start the RTD loss waits at its base rate while the bias learns locality, which a local start
+        gives at once (measurements: the fast-electra project's docs/design.md, design notes). Applies
+        to every model built with it: main, aux, generator, fine-tuning."""
         slopes = self.locality * torch.linspace(1.0, 0.0, self.bias.embedding_dim)  # one head: [locality]
         prior = -torch.log(self.bucket_distances().clamp(min=1).float())[:, None] * slopes[None, :]
         self.bias.weight.copy_(prior.to(self.bias.weight.dtype))
@@ -133,8 +132,7 @@ class Encoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         x = F.dropout(self.ln_embed(self.embed(input_ids)), self.dropout, self.training)
         # Additive bias: relative positions, and -inf on padded keys. In the dtype the layers' q and k
-        # will have: under bf16 autocast a float32 bias sends SDPA to its slow math path (fp32 matmuls;
-        # seen on an H100), a bf16 one to the memory-efficient kernel.
+        # will have: under bf16 autocast a float32 bias sends SDPA to its slow math path (fp32 matmuls).
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         pad = torch.zeros(attention_mask.shape, dtype=dtype, device=x.device)
         pad = pad.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
