@@ -112,8 +112,10 @@ class FinetuneConfig:
     """AdaMax epsilon."""
     clip_norm: float = 1.0
     """Gradient clipping by global norm."""
-    dropout: float = 0.1
-    """Dropout of the encoder and the classification head."""
+    dropout: float = -1.0
+    """Dropout of the encoder and the classification head; < 0: the pre-trained model's own (its manifest's
+    `model.dropout`: 0.1 for base and large, as the paper's fine-tuning, 0 for the tiny preset). A model
+    pre-trained without dropout fits a few labels more slowly under dropout it never saw (docs/experiments.md)."""
     max_steps: int = 0
     """Cap on updates per run, the schedule shortened to match (0 = all epochs; for smoke tests)."""
     eval_batch_size: int = 64
@@ -134,8 +136,8 @@ class FinetuneConfig:
             raise ConfigError(f"finetune.max_seq_len must be >= 4, got {self.max_seq_len}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"finetune.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0 or self.clip_norm <= 0 or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("finetune: eps > 0, clip_norm > 0, dropout in [0, 1)")
+        if self.eps <= 0 or self.clip_norm <= 0 or not self.dropout < 1.0:
+            raise ConfigError("finetune: eps > 0, clip_norm > 0, dropout < 1 (negative: the pre-trained model's)")
         if self.max_steps < 0 or self.eval_batch_size < 1 or self.length_pool < 1 or self.embedding_row_rms < 0:
             raise ConfigError("finetune: max_steps >= 0, eval_batch_size >= 1, length_pool >= 1, "
                               "embedding_row_rms >= 0")

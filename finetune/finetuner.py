@@ -323,6 +323,8 @@ def finetune(cfg: FinetuneConfig, backbone: Backbone, out_dir: Path, tasks_dir: 
             "dev_sha256": sha256_file(folder / cfg.task.dev_file)}
     encoded_train = (encode(backbone.tokenizer, train, cfg.max_seq_len), train.labels)
     encoded_dev = (encode(backbone.tokenizer, dev, cfg.max_seq_len), dev.labels)
+    if cfg.dropout < 0:  # the pre-trained model's own dropout, the same for --init none of that shape
+        cfg = dataclasses.replace(cfg, dropout=backbone.model_config.dropout)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "finetune.toml", dump_toml(cfg))
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("grid", "seeds", "eval_batch_size")}

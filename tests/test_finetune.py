@@ -2,6 +2,7 @@
 its errors, the config, and short real runs of `python -m finetune` on tiny tasks the
 tests write, with a tiny model saved as a trainer checkpoint."""
 import bz2
+import dataclasses
 import json
 import math
 import zipfile
@@ -163,7 +164,7 @@ def test_epoch_batches_pool_by_length_and_one_means_plain_random_batches():
 
 def test_config_defaults_glue_layouts_overrides_and_round_trip(tmp_path):
     cfg = resolve_config()
-    assert cfg.max_seq_len == 256 and cfg.clip_norm == 1.0 and cfg.dropout == 0.1 and cfg.eps == 1e-6
+    assert cfg.max_seq_len == 256 and cfg.clip_norm == 1.0 and cfg.dropout < 0 and cfg.eps == 1e-6  # the model's
     assert cfg.betas == [0.9, 0.98] and len(cfg.seeds) >= 3 and set(cfg.grid.lr) == {5e-5, 1e-4, 3e-4}
     assert cfg.task.path == "rotten_tomatoes" and cfg.task.selection_metric == "accuracy"
     stsb = resolve_config(task=str(tmp_path / "STS-B"), sets=["grid.lr=[2e-4]", "task.dev_file=dev2.tsv"])
@@ -277,6 +278,25 @@ def test_same_seed_same_result_and_pretrained_weights_are_used(backbone_files, t
     fresh = ft.build_classifier(scratch, 2, 0.1, seed=0).encoder.state_dict()
     assert not torch.equal(fresh["layers.0.qkv.weight"], expected["layers.0.qkv.weight"])
     assert fresh["layers.0.qkv.weight"].shape == expected["layers.0.qkv.weight"].shape
+
+
+def test_dropout_defaults_to_the_pre_trained_models_own(backbone_files, tmp_path):
+    """A model pre-trained without dropout (the tiny preset) is fine-tuned without it, and so is the random
+    init it is compared with; base and large (dropout 0.1) keep the paper's 0.1; --set dropout wins."""
+    work, config, checkpoint, model = backbone_files
+    no_dropout = tmp_path / "run" / "checkpoints" / "step-00000012.pt"
+    no_dropout.parent.mkdir(parents=True)
+    torch.save({"step": 12, "model": model.state_dict(), "config": config_to_dict(
+        dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0)))}, no_dropout)
+    task = write_task(tmp_path / "t", sentiment_rows(24, 2), sentiment_rows(10, 3))
+    common = ["--corpus", str(config.corpus_dir), "--task", str(task), "--no-progress", "--set", "max_steps=1",
+              "--set", "seeds=[1]", "--set", "grid.lr=[1e-4]"]
+    for ckpt, init, extra, expected in ((no_dropout, "pretrained", [], 0.0), (no_dropout, "none", [], 0.0),
+                                        (checkpoint, "pretrained", [], 0.1),
+                                        (no_dropout, "pretrained", ["--set", "dropout=0.05"], 0.05)):
+        out = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}"
+        assert finetune_cli.main(["--checkpoint", str(ckpt), "--init", init, "--out", str(out), *common, *extra]) == 0
+        assert resolve_config(out / "finetune.toml").dropout == expected
 
 
 def test_embedding_rows_rescaled_same_function_faster_turning(backbone_files):
