@@ -69,6 +69,7 @@ LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m train.launch --standalone --n
 
 train: generate-epochs
 	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume
+	@echo "next: make finetune (README: Fine-tuning) | make sweep (Stages) | make train CORPUS=your/texts (Your own corpus) | MANIFEST=manifests/base.toml (Scaling out)"
 
 # Only reads the shards: if $(DATA_DIR)/manifest.json exists the generator is not run at all.
 sweep: setup $(DATA_DIR)/manifest.json

@@ -133,3 +133,19 @@ def test_the_default_chain_imports_no_hugging_face_module():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_readme_shows_what_the_last_fresh_make_train_printed():
+    """The README's example summary is the one recorded from the last fresh-clone `make train`
+    (bench/results/make-train.json, written by `python -m bench.record_train`), printed the way the
+    trainer prints it, with that run's date and wall time beside it; and it was made with the tiny
+    preset as it is now, so changing the preset without re-running the demo fails here."""
+    import hashlib
+    import json
+    from train.trainer import summary_text
+    runs = json.loads((ROOT / "bench" / "results" / "make-train.json").read_text())["runs"]
+    last, readme = runs[-1], (ROOT / "README.md").read_text()
+    assert summary_text(last["summary"]) in readme
+    assert last["date"] in readme and f"real {last['real']}" in readme
+    assert hashlib.sha256((ROOT / last["manifest"]).read_bytes()).hexdigest() == last["manifest_sha256"], \
+        f"{last['manifest']} changed since the recorded run: re-run `time make train` on a fresh clone and record it"
