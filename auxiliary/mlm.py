@@ -121,7 +121,8 @@ def use_hf_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) ->
                        hf.files_sha256(source, hf.MODEL_FILES))
     save_resolved(config, out_dir)
     log(f"aux: {type(model.model).__name__} from {source} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-        f"parameters), vocabulary {tok.vocab_size} of which {tok.reserved} never sampled -> {path}")
+        f"parameters), vocabulary {tok.vocab_size} of which {tok.reserved.head + tok.reserved.tail} never sampled "
+        f"-> {path}")
     return path
 
 

@@ -16,6 +16,7 @@ import torch
 from common.config import ModelConfig
 from common.io import atomic_path, atomic_write_json, sha256_file
 from common.model import MaskedLM
+from common.tokenizer import Reserved
 
 AUX_FILE = "aux.pt"
 AUX_META = "aux.json"
@@ -78,19 +79,20 @@ def check_aux_matches_tokenizer(aux_meta: dict, aux_path, vocab_size: int, token
                                  f"{aux_meta['tokenizer_sha256'][:12]} but {tok_path} has {tokenizer_sha256[:12]}")
 
 
-def save_hf_aux(source: Path, hf_id_of: list[int], reserved: int, tokenizer_sha256: str, out_dir: str | Path,
+def save_hf_aux(source: Path, hf_id_of: list[int], reserved: Reserved, tokenizer_sha256: str, out_dir: str | Path,
                 model_sha256: str) -> Path:
     """An hf: aux model's record in place of weights: where it is, the hash of its files (so the record's own
     sha256, which names the aux model in the generation key, changes when they do) and our id order."""
     out_dir = Path(out_dir)
     path = out_dir / AUX_FILE
     payload = {"format_version": 2, "kind": "hf", "source": str(source), "model_sha256": model_sha256,
-               "hf_id_of": hf_id_of, "reserved": reserved, "vocab_size": len(hf_id_of),
-               "tokenizer_sha256": tokenizer_sha256}
+               "hf_id_of": hf_id_of, "reserved": reserved.head, "reserved_tail": reserved.tail,
+               "vocab_size": len(hf_id_of), "tokenizer_sha256": tokenizer_sha256}
     with atomic_path(path) as tmp:
         torch.save(payload, tmp)
     atomic_write_json(out_dir / AUX_META, {"sha256": sha256_file(path), "kind": "hf", "source": str(source),
-                                           "vocab_size": len(hf_id_of), "reserved": reserved,
+                                           "vocab_size": len(hf_id_of), "reserved": reserved.head,
+                                           "reserved_tail": reserved.tail,
                                            "tokenizer_sha256": tokenizer_sha256, "model_sha256": model_sha256,
                                            "num_layers": None, "hidden_size": None, "steps": 0, "metrics": {}})
     return path

@@ -21,7 +21,7 @@ from common.corpus import term_counts
 from common.curriculum import row_draws, rtd_labels
 from common.distributions import (aux_log_probs, log_interpolation, sample_from_log_weights, sample_temperature,
                                   smoothed_one_hot_log_probs, term_frequency_log_probs, uniform_log_probs)
-from common.tokenizer import MASK_ID, SPECIAL_IDS
+from common.tokenizer import MASK_ID, Reserved
 
 
 def needs_term_counts(distribution: str, augmentation: str) -> bool:
@@ -41,7 +41,7 @@ class Corruptor:
         self.seed, self.mask_prob, self.batch_tokens = seed, mask_prob, batch_tokens
         self.distribution, self.augmentation, self.soh_alpha = distribution, augmentation, soh_alpha
         self.vocab_size = int(self.aux_meta["vocab_size"])
-        self.reserved = int(self.aux_meta.get("reserved") or len(SPECIAL_IDS))  # never sampled (common/hf.py)
+        self.reserved = Reserved.of(self.aux_meta)  # ids never sampled (an hf: tokenizer's, common/hf.py)
         self.log_tf = None if term_counts is None else term_frequency_log_probs(term_counts, self.device)
         if self.log_tf is None and needs_term_counts(distribution, augmentation):
             raise ValueError(f"distribution {distribution!r} / augmentation {augmentation!r} needs term counts")

@@ -21,32 +21,34 @@ import math
 import numpy as np
 import torch
 
-from common.tokenizer import SPECIAL_IDS
+from common.tokenizer import SPECIAL_IDS, Reserved
 
 TEMPERATURE_RANGE = (1e-30, 1e30)
 assert SPECIAL_IDS == tuple(range(len(SPECIAL_IDS)))  # the special tokens are the first columns
-# An hf: tokenizer (common/hf.py) puts its other special tokens and unused entries right after them:
-# the `reserved` first columns are never sampled.
+# An hf: tokenizer (common/hf.py) numbers its other special tokens and unused entries last: the
+# `reserved.tail` last columns are never sampled either.
+RESERVED = Reserved()  # our tokenizer's: the five specials
 
 
-RESERVED = len(SPECIAL_IDS)  # ids below this are never a replacement; an hf: tokenizer reserves more
+def _fill_reserved(x: torch.Tensor, reserved: Reserved, value: float) -> torch.Tensor:
+    """`x` (K, V) with `value` in the reserved columns, in place."""
+    x[:, :reserved.head] = value
+    if reserved.tail:
+        x[:, reserved.stop(x.shape[1]):] = value
+    return x
 
 
-def _specials(device, reserved: int = RESERVED) -> torch.Tensor:
-    return torch.arange(reserved, device=device)
-
-
-def non_special(vocab_size: int, device="cpu", reserved: int = RESERVED) -> torch.Tensor:
+def non_special(vocab_size: int, device="cpu", reserved: Reserved = RESERVED) -> torch.Tensor:
     """Bool (V,): True for the tokens a replacement may be."""
-    keep = torch.ones(vocab_size, dtype=torch.bool, device=device)
-    keep[:reserved] = False
+    keep = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    keep[reserved.head:reserved.stop(vocab_size)] = True
     return keep
 
 
-def aux_log_probs(logits: torch.Tensor, reserved: int = RESERVED) -> torch.Tensor:
+def aux_log_probs(logits: torch.Tensor, reserved: Reserved = RESERVED) -> torch.Tensor:
     """log p_aux over the non-special tokens, fp32, from aux logits of any float dtype (paper eq. 1)."""
-    x = logits.float().index_fill(1, _specials(logits.device, reserved), float("-inf"))  # a new tensor
-    if not torch.isfinite(x[:, reserved:]).all():  # an fp16/bf16 overflow or a broken model
+    x = _fill_reserved(logits.to(torch.float32, copy=True), reserved, float("-inf"))
+    if not torch.isfinite(x[:, reserved.head:reserved.stop(x.shape[1])]).all():  # fp16/bf16 overflow, broken model
         x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
         dead = ~torch.isfinite(x).any(dim=-1)
         if dead.any():
@@ -109,16 +111,16 @@ def _uniform_rows(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def replacement_probs(log_weights: torch.Tensor) -> torch.Tensor:
     """The distribution a row of log-weights stands for: softmax in fp32, zero on special tokens,
     uniform where nothing is left. Rows sum to 1."""
-    x = log_weights.float().index_fill(1, _specials(log_weights.device), float("-inf"))
+    x = _fill_reserved(log_weights.to(torch.float32, copy=True), RESERVED, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     dead = ~(probs.sum(dim=-1) > 0)  # NaN or no mass
     return _uniform_rows(probs, dead) if dead.any() else probs
 
 
 def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor,
-                 reserved: int = RESERVED) -> tuple[torch.Tensor, torch.Tensor]:
+                 reserved: Reserved = RESERVED) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, rows without mass). Five passes over (K, V), in place on `log_weights`."""
-    log_weights.index_fill_(1, _specials(log_weights.device, reserved), float("-inf"))
+    _fill_reserved(log_weights, reserved, float("-inf"))
     log_weights -= log_weights.max(dim=-1, keepdim=True).values
     weights = log_weights.exp_()  # unnormalised probabilities, the largest is 1
     cdf = torch.cumsum(weights, dim=-1)
@@ -134,7 +136,8 @@ def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor,
     return idx, ~(cdf[:, -1] > 0)  # NaN (inf - inf, a NaN input) or no mass at all
 
 
-def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor, reserved: int = RESERVED) -> torch.Tensor:
+def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor,
+                            reserved: Reserved = RESERVED) -> torch.Tensor:
     """One token per row of (K, V) fp32 log-weights, by inverse CDF with `uniforms` (K,) in [0, 1).
     Deterministic, never a special (reserved) token, always in [0, V); a row without mass is sampled
     uniformly. `log_weights` is overwritten."""
@@ -146,7 +149,7 @@ def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor, r
 
 
 def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
-                       reserved: int = RESERVED) -> torch.Tensor:
+                       reserved: Reserved = RESERVED) -> torch.Tensor:
     """Paper section 3, eq. 1: x_hat ~ Softmax(log p_aux / T) = Softmax(logits / T), one T per row.
     `logits` (any float dtype) are left intact; rows the fast form leaves without mass are redone
     from the stable log p_aux."""

@@ -6,9 +6,10 @@ classes; transformers is an optional extra (`pip install -e '.[hf]'`), imported 
 
 Its tokenizer becomes the whole chain's, renumbered into our id space the way our SentencePiece
 tokenizer is (common/tokenizer.py): ids 0-4 are its [PAD] [UNK] [CLS] [SEP] [MASK] (RoBERTa's
-<pad> <unk> <s> </s> <mask>), then a reserved block of its other special tokens and unused entries
-([unusedN]), then every other entry by descending frequency in the corpus sample (compact shards).
-Replacements are never sampled from ids below `reserved` (common/distributions.py), and the aux
+<pad> <unk> <s> </s> <mask>), then every other entry by descending frequency in the corpus sample
+(compact shards: the frequent pieces get the smallest ids), then, last, a reserved block of its other
+special tokens and unused entries ([unusedN]). Replacements are never sampled from the specials nor
+from that block (`Reserved`, common/distributions.py), and the aux
 model's logit rows past the tokenizer's length never reach the sampler: `HFMaskedLM` gathers the
 columns of our ids only, at masked positions only (the head runs on (masked positions, hidden), never
 on batch x length x vocabulary).
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from common.io import atomic_write_json, sha256_file
+from common.tokenizer import Reserved
 
 PREFIX = "hf:"
 TOKENIZER_DIR = "hf_tokenizer"  # the tokenizer's own files, copied into the corpus folder
@@ -173,13 +175,18 @@ def build_tokenizer(source: Path, lines: list[str], out_dir: Path, meta_file: st
     for start in range(0, len(lines), 1024):
         for ids in tok(lines[start:start + 1024], add_special_tokens=False)["input_ids"]:
             counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=size)[:size]
-    head = specials + reserved
+    # specials first, reserved last, each placed by hand in its own order; the rest by count, ties by their id.
+    # (The reserved block last, not right after the specials: bert-base's 994 [unusedN] there would start the
+    # frequent pieces at id 999, past the one-byte ids BYTE_STREAM_SPLIT stores best.)
     keys = counts.astype(np.float64)
-    keys[head] = np.inf  # sorted first; placed by hand in their own order
-    hf_of = head + np.argsort(-keys, kind="stable")[len(head):].tolist()
+    keys[specials + reserved] = -np.inf
+    rest = np.argsort(-keys, kind="stable")[:size - len(specials) - len(reserved)].tolist()
+    hf_of = specials + rest + reserved
+    assert sorted(hf_of) == list(range(size))
     files = files_sha256(out_dir / TOKENIZER_DIR)
     atomic_write_json(out_dir / meta_file, {
-        "kind": "hf", "source": str(source), "vocab_size": size, "reserved": len(head), "hf_id_of": hf_of,
+        "kind": "hf", "source": str(source), "vocab_size": size, "reserved": len(specials),
+        "reserved_tail": len(reserved), "hf_id_of": hf_of,
         "files_sha256": files, "sha256": hashlib.sha256(json.dumps({"files": files, "order": hf_of}).encode()).hexdigest(),
         "special": dict(zip(("pad", "unk", "cls", "sep", "mask"), specials))})
 
@@ -195,7 +202,7 @@ class HFTokenizer:
         self.hf_of = np.asarray(meta["hf_id_of"], dtype=np.int64)  # our id -> its id
         self.ours_of32 = np.full(len(self.tok), -1, dtype=np.int32)
         self.ours_of32[self.hf_of] = np.arange(len(self.hf_of), dtype=np.int32)
-        self.sha256, self.reserved, self.source = meta["sha256"], int(meta["reserved"]), meta["source"]
+        self.sha256, self.reserved, self.source = meta["sha256"], Reserved.of(meta), meta["source"]
 
     @property
     def vocab_size(self) -> int:

@@ -15,6 +15,7 @@ never on the number of workers. Paper appendix A: sequences respect document bou
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -35,7 +36,7 @@ from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, write_parquet
 from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
                             source_files, work_units)
 from common import hf
-from common.tokenizer import CLS_ID, META_FILE, SEP_ID, SPECIAL_IDS, Tokenizer, open_tokenizer, train_tokenizer
+from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
 
 SPLITS = ("train", "valid")
 MAX_PARAGRAPH_CHARS = 8192  # a tokenizer sample line longer than this is cut (SentencePiece skips long ones)
@@ -396,7 +397,7 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
         "format_version": FORMAT_VERSION, "corpus_format": CORPUS_FORMAT, "build_key": key, "source": source,
         "source_files": len(files), "source_bytes": total_bytes, "units": len(units),
         "max_seq_len": cfg.max_seq_len, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256,
-        **({"reserved_ids": tok.reserved} if tok.reserved != len(SPECIAL_IDS) else {}),
+        **({} if tok.reserved == Reserved() else {"reserved_ids": dataclasses.asdict(tok.reserved)}),
         "documents": {"read": int(sum(len(k) for k in keeps)), "duplicates": duplicates, "skipped_bad": skipped,
                       "train": int(sum((k & ~v).sum() for k, v in zip(keeps, valids))),
                       "valid": int(sum((k & v).sum() for k, v in zip(keeps, valids)))},

@@ -32,7 +32,7 @@ from common.corpus import SplitRows, load_corpus_meta
 from common.io import FolderLock, publish_folder, sha256_file
 from common.model import MaskedLM, ReplacedTokenDetector, count_parameters
 from common.shards import MANIFEST_FILE, data_fingerprint
-from common.tokenizer import PAD_ID, open_tokenizer
+from common.tokenizer import PAD_ID, Reserved, open_tokenizer
 from export.card import model_card
 from export.tokenizer import write_tokenizer
 
@@ -265,10 +265,10 @@ def our_model(trained: Trained) -> torch.nn.Module:
     return model.eval()
 
 
-def probe_batch(vocab: int, reserved: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two rows in our ids, the second padded: [CLS] random tokens [SEP] [PAD]..."""
+def probe_batch(vocab: int, reserved: Reserved, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows in our ids, the second padded: [CLS] random tokens (none reserved) [SEP] [PAD]..."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(reserved, vocab, (2, 24), generator=g)
+    ids = torch.randint(reserved.head, reserved.stop(vocab), (2, 24), generator=g)
     ids[:, 0] = 2
     mask = torch.ones_like(ids)
     ids[1, 15:], mask[1, 15:] = PAD_ID, 0

@@ -11,7 +11,7 @@ from common.curriculum import sample_replacements
 from common.distributions import (aux_log_probs, log_interpolation, replacement_probs, sample_from_log_weights,
                                   sample_temperature, smoothed_one_hot_log_probs, temperature_scaled,
                                   term_frequency_log_probs, uniform_log_probs)
-from common.tokenizer import SPECIAL_IDS
+from common.tokenizer import SPECIAL_IDS, Reserved
 
 V = 60
 NUM_SPECIAL = len(SPECIAL_IDS)
@@ -151,3 +151,29 @@ def test_sampling_at_any_gamma_is_in_range_and_never_special(dtype, gamma):
         assert torch.isfinite(probs).all() and (probs[:, list(SPECIAL_IDS)] == 0).all()
         out = sample_from_log_weights(log_w.clone(), u)
         assert out.min() >= NUM_SPECIAL and out.max() < V
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1e-6, 1.0, 1e6])
+def test_reserved_ids_at_either_end_are_never_sampled(dtype, temperature):
+    """An hf: tokenizer numbers its other special tokens and unused entries last (common/hf.py): no sampler
+    returns one of them or a special, even where the aux model puts its mass there or its rows are broken."""
+    reserved = Reserved(head=NUM_SPECIAL, tail=7)
+    stop = reserved.stop(V)
+    logits = _nasty_logits(torch.float32)
+    logits[9:20, stop:] = 1e4                      # the aux model loves [unusedN]
+    logits[20, :stop] = -float("inf")              # mass only on the reserved tail
+    logits = logits.to(dtype)
+    u = torch.rand(len(logits), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    u[:2] = torch.tensor([0.0, 1 - 1e-16], dtype=torch.float64)
+    t = torch.full((len(logits),), temperature)
+    log_p = aux_log_probs(logits, reserved)
+    healthy = aux_log_probs(logits[9:20], reserved)  # (broken rows are made finite first; the sampler masks them)
+    assert (healthy[:, :NUM_SPECIAL] == -float("inf")).all() and (healthy[:, stop:] == -float("inf")).all()
+    assert torch.allclose(healthy.exp().sum(-1), torch.ones(len(healthy)), atol=1e-5)
+    for out in (sample_temperature(logits, t, u, reserved), sample_from_log_weights(log_p.clone(), u, reserved),
+                sample_from_log_weights(log_interpolation(uniform_log_probs(1, V)[0], log_p, t.clamp(max=1)), u,
+                                        reserved)):
+        assert out.min() >= NUM_SPECIAL and out.max() < stop
+    assert torch.equal(sample_temperature(logits, t, u), sample_temperature(logits, t, u, Reserved()))
+

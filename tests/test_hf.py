@@ -121,7 +121,8 @@ def test_corpus_generate_train_with_an_hf_aux_of_each_family(hf_dirs, family, tm
         assert result.returncode == 0, (module, result.stdout[-2000:], result.stderr[-3000:])
     corpus = load_corpus_meta(config.corpus_dir)
     tok = open_tokenizer(config.corpus_dir)
-    assert corpus["vocab_size"] == tok.vocab_size == len(tok.tok) and corpus.get("reserved_ids", 5) == tok.reserved
+    assert corpus["vocab_size"] == tok.vocab_size == len(tok.tok)
+    assert corpus.get("reserved_ids", {"head": 5, "tail": 0}) == dataclasses.asdict(tok.reserved)
     assert tok.source == str(dirs[family])
     summary = json.loads((config.run_dir / "summary.json").read_text())
     assert summary["steps"] == 4
@@ -157,7 +158,8 @@ def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family,
     assert [int(tok.hf_of[i]) for i in (PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID)] == [
         hf_tok.pad_token_id, hf_tok.unk_token_id, hf_tok.cls_token_id or hf_tok.bos_token_id,
         hf_tok.sep_token_id or hf_tok.eos_token_id, hf_tok.mask_token_id]
-    never = set(tok.hf_of[:tok.reserved].tolist())
+    stop = tok.reserved.stop(tok.vocab_size)
+    never = set(tok.hf_of[:tok.reserved.head].tolist()) | set(tok.hf_of[stop:].tolist())
     assert specials <= never
     if family == "bert":
         assert {hf_tok.convert_tokens_to_ids(f"[unused{i}]") for i in range(3)} <= never
@@ -169,7 +171,7 @@ def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family,
     for original, corrupted, labels in zip(sample, out["input_ids"], out["labels"]):
         changed = corrupted != original
         assert np.array_equal(labels.astype(bool), changed)  # a sample equal to the original is labelled original
-        assert (corrupted[changed] >= tok.reserved).all() and (corrupted < tok.vocab_size).all()
+        assert (corrupted[changed] >= tok.reserved.head).all() and (corrupted[changed] < stop).all()
         assert corrupted[0] == CLS_ID and corrupted[-1] == SEP_ID  # masking never touches the specials
     assert out["replaced"] > 0
     model, _ = load_aux(config.aux_dir / AUX_FILE)
@@ -178,6 +180,20 @@ def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family,
     flags[0, 1:4] = True
     logits = model(ids, torch.ones_like(flags), flags)
     assert logits.shape == (3, tok.vocab_size)  # masked positions only, our columns only (no padded rows)
+
+
+def test_frequent_pieces_get_the_smallest_ids_and_the_reserved_block_the_largest(hf_dirs, tmp_path):
+    """Compact shards: after the five specials an hf: tokenizer's pieces are numbered by their frequency in the
+    tokenizer sample (here the whole training split), so frequent tokens get the small ids BYTE_STREAM_SPLIT
+    stores best; its other special tokens and [unusedN] entries, never sampled, come last."""
+    config = _built(hf_dirs, "bert", tmp_path)
+    tok = open_tokenizer(config.corpus_dir)
+    stop = tok.reserved.stop(tok.vocab_size)
+    assert (tok.reserved.head, tok.reserved.tail) == (5, 3)
+    assert [tok.piece(i) for i in range(stop, tok.vocab_size)] == ["[unused0]", "[unused1]", "[unused2]"]
+    rows = SplitRows(config.corpus_dir, "train")
+    counts = np.bincount(np.concatenate([rows[i] for i in range(len(rows))]), minlength=tok.vocab_size)
+    assert counts[5] == counts[5:].max() and (np.diff(counts[5:stop]) <= 0).mean() > 0.95, counts[5:40]
 
 
 def test_bad_hf_directories_stop_before_any_work(hf_dirs, tmp_path, capsys):
