@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from common.config import load_manifest
-from common.corpus import load_split
+from bench.generate import unigram_entropy_bytes
 from common.io import atomic_write_json
 from common.sources import decode, paragraphs, shakespeare_folder, strip_gutenberg
 
@@ -140,14 +140,6 @@ def column_bytes(epochs_dir: Path) -> dict:
     out["bytes_per_token"] = epoch["bytes"] / tokens
     return {**out, "tokens": tokens, "rows": epoch["rows"], "replaced_fraction": epoch["replaced_fraction"],
             "aux_top1": epoch["aux_top1"], "vocab_size": manifest["vocab_size"]}
-
-
-def unigram_entropy_bytes(corpus_dir: Path, vocab_size: int) -> float:
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for row in load_split(corpus_dir, "train"):
-        counts += np.bincount(row, minlength=vocab_size)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log2(p)).sum() / 8)
 
 
 def main(argv=None) -> int:
