@@ -4,6 +4,7 @@ learning, or makes its checkpoint harder to fine-tune than a random one, fails C
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def stage(module: str, *args: str, env) -> None:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("tiny")
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
     sets = [f"--set=work_dir={work}", *(f"--set={s}" for s in REDUCED)]
     for module in ("corpus", "auxiliary", "generate"):
         stage(module, *sets, env=env)

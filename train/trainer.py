@@ -309,7 +309,7 @@ def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: 
 
 def summary_text(summary: dict) -> str:
     """What the end of a run prints, from its summary.json alone (the README's example is checked
-    against a recorded one this way: tests/test_readme.py)."""
+    against a recorded one this way: tests/test_layout.py)."""
     start, end, consumed = summary["start"], summary["end"], summary["temperature_consumed"]
     rows = [("RTD loss", "loss"), ("accuracy", "accuracy"), ("recall (replaced tokens)", "recall"),
             ("precision (replaced tokens)", "precision"), ("AUC", "auc")]
