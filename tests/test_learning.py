@@ -1,6 +1,7 @@
 """The embedded default learns (issue 22): the tiny preset's own chain (the embedded corpus, the real
 stages as subprocesses, Ray generation) at reduced size, so a change that stops the default from
-learning, or makes its checkpoint harder to fine-tune than a random one, fails CI."""
+learning fails CI. Whether its checkpoint fine-tunes as easily as a random init is not asserted here:
+at this size two seeds cannot tell them apart (docs/experiments.md, "Follow-up (2026-11-23)")."""
 from __future__ import annotations
 
 import json
@@ -14,10 +15,11 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
-# The tiny preset with a third of its aux steps and a quarter of its rows: 2 epochs x 3,072 rows / 16
-# = 384 updates (the full preset: 1,557), evaluated every 96.
-REDUCED = ["aux.steps=100", "aux.warmup_steps=10", "generate.rows_per_epoch=3072", "train.eval_every=96",
-           "train.ckpt_every=384", "train.log_every=32"]
+# The tiny preset with a fifth of its aux steps and a sixth of its rows: 2 epochs x 2,048 rows / 16
+# = 256 updates (the full preset: 1,557), evaluated every 64. (A weaker aux model makes RTD easier:
+# the chain ends at a higher AUC than with 100 aux steps and 384 updates, 0.76 against 0.70.)
+REDUCED = ["aux.steps=60", "aux.warmup_steps=6", "generate.rows_per_epoch=2048", "train.eval_every=64",
+           "train.ckpt_every=256", "train.log_every=32"]
 
 
 def stage(module: str, *args: str, env) -> None:
@@ -41,7 +43,7 @@ def test_the_default_chain_learns(default_run):
     records = [json.loads(line) for line in open(default_run / "run" / "metrics.jsonl")]
     start = json.loads((default_run / "run" / "summary.json").read_text())["start"]
     aucs = [(0, start["auc"])] + [(r["step"], r["val_auc"]) for r in records if "val_auc" in r]
-    assert [step for step, _ in aucs] == [0, 96, 192, 288, 384]
-    assert abs(aucs[0][1] - 0.5) < 0.05, aucs  # the untrained model ranks at chance
-    assert aucs[-1][1] >= 0.65, aucs  # measured: 0.70 (the full preset: 0.82 after 1,557 updates)
+    assert [step for step, _ in aucs] == [0, 64, 128, 192, 256]
+    assert abs(aucs[0][1] - 0.5) < 0.05, aucs  # the untrained model ranks at chance (measured: 0.463)
+    assert aucs[-1][1] >= 0.65, aucs  # measured: 0.729 / 0.750 / 0.760 / 0.764 (the full preset: 0.82)
     assert all(b > a for (_, a), (_, b) in zip(aucs, aucs[1:])), aucs  # rising at every evaluation
