@@ -5,6 +5,8 @@ a fact that is not known is said to be unknown, never estimated.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 PAPER = "Fast-ELECTRA for Efficient Pre-training (Dong et al., ICLR 2024)"
 METRICS = (("loss", "RTD loss"), ("accuracy", "accuracy"), ("recall", "recall (replaced tokens)"),
            ("precision", "precision (replaced tokens)"), ("auc", "AUC"))
@@ -43,6 +45,16 @@ def _tokenizer_lines(tok: dict) -> list[str]:
             f"`tokenizers` BPE in the model's ids (`tokenizer.json`); `tokenizer(text)` gives "
             f"`[CLS] ... [SEP]`. A literal special token in the text (`[MASK]`, `[CLS]`) is read as that token, "
             f"where SentencePiece would keep a `▁` before `[MASK]` and spell `[CLS]` out."]
+
+
+def card_title(trained) -> str:
+    """What the model is, not where it was written (`make export` writes to RUN/hf: a card titled "hf" said
+    nothing): the manifest's name, and for a main model its run folder and updates."""
+    facts = trained.facts
+    preset = facts.get("manifest_name") or "fast-electra"
+    if trained.kind == "rtd":
+        return f"Fast-ELECTRA {preset}: main model of run {Path(facts['run_dir']).name}, {facts['steps']:,} updates"
+    return f"Fast-ELECTRA {preset}: auxiliary masked LM"
 
 
 def model_card(trained, config: dict, tok: dict, parameters: int, name: str) -> str:

@@ -33,7 +33,7 @@ from common.io import FolderLock, publish_folder, sha256_file
 from common.model import MaskedLM, ReplacedTokenDetector, count_parameters
 from common.shards import MANIFEST_FILE, data_fingerprint
 from common.tokenizer import PAD_ID, Reserved, open_tokenizer
-from export.card import model_card
+from export.card import card_title, model_card
 from export.tokenizer import write_tokenizer
 
 CLASSES = {"AutoModel": "FastElectraModel", "AutoModelForPreTraining": "FastElectraForPreTraining",
@@ -371,6 +371,6 @@ def build(trained: Trained, staging: Path, out: Path, transformers) -> str:
                           f"max |difference| {diff:.3g} on a probe batch (tolerance {PROBE_TOLERANCE}); nothing "
                           f"was written to {out}")
     parameters = count_parameters(our_model(trained))
-    (staging / "README.md").write_text(model_card(trained, config, tokenizer_facts, parameters, out.name))
+    (staging / "README.md").write_text(model_card(trained, config, tokenizer_facts, parameters, card_title(trained)))
     return (f"{config['architectures'][0]}, {parameters / 1e6:.2f}M parameters, vocabulary {vocab}, tokenizer "
             f"{tokenizer_facts['kind']}; transformers reproduces it on a probe batch within {diff:.1e}")

@@ -111,6 +111,7 @@ def test_the_export_holds_weights_config_tokenizer_card_and_remote_code(exported
     assert (hf_config["num_layers"], hf_config["hidden_size"], hf_config["rel_buckets"]) == (
         config.model.num_layers, config.model.hidden_size, config.model.rel_buckets)
     card = (out / "README.md").read_text()
+    assert f"\n# Fast-ELECTRA {config.name}: main model of run run, {STEPS:,} updates\n" in card  # not the folder's name
     for fact in (f"| updates | {STEPS:,} of", "| rows seen | 96 |", "| tokens seen | 1,600 ",  # 1000 + 1200 * 32/64
                  "| AUC | 0.5000 | 0.6370 |", f"`{config.name}`", config.corpus.source, "trust_remote_code=True"):
         assert fact in card, fact
@@ -186,6 +187,7 @@ def test_our_aux_model_exports_and_comes_back_as_an_hf_aux_with_the_same_logits(
     from corpus.build import build_corpus
     out = export(from_aux(built.aux_dir / AUX_FILE), tmp_path / "aux-hf", log=lambda *a: None)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["FastElectraForMaskedLM"]
+    assert f"\n# Fast-ELECTRA {built.name}: auxiliary masked LM\n" in (out / "README.md").read_text()
     config = dataclasses.replace(built, work_dir=str(tmp_path / "work"), shared_dir="",
                                  aux=dataclasses.replace(built.aux, source=f"hf:{out}"))
     build_corpus(config, config.corpus_dir, workers=1, log=lambda *a: None)
