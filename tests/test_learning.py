@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_chain")]  # one process builds the chain once
 
 # The tiny preset at reduced size: 2 of its 4 layers, a fifth of its aux steps, half its rows per epoch:
 # 2 epochs x 6,144 rows / 16 = 768 updates (the full preset: 1,557), evaluated every 192; 140 s here.

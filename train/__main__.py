@@ -65,8 +65,21 @@ def main(argv=None) -> int:
         train(args, after_step=test_hook())
     except (ConfigError, DataError, IncompatibleInputs, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return leave(2)
     return 0
+
+
+def leave(code: int) -> int:
+    """A rank that stops on an error under torchrun ends here, with `code`: at interpreter shutdown the
+    process group it never destroyed (the other ranks are stopping too) can abort the process (SIGABRT,
+    "terminate called without an active exception"), and the launcher would then report that abort
+    instead of the error's exit code. Everything worth keeping is written and flushed by now."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
