@@ -132,14 +132,13 @@ bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md
 
 # Two test processes (pytest-xdist): most slow tests wait on subprocess and Ray start-up, so two at a time
-# take ~8 min on 2 cores instead of ~12-13. Tests marked with one xdist_group share a process (--dist
-# loadgroup), so a fixture they share (tests/test_learning.py's chain) is built once. TEST_WORKERS=0: one process.
+# take ~8 min on 2 cores instead of ~12-13. TEST_WORKERS=0 runs them in this process, one by one.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(WORK)
