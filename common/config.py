@@ -108,15 +108,30 @@ class AuxConfig:
     steps: int = 300
     """MLM training updates for `make aux`."""
     batch_size: int = 32
-    """Sequences per update."""
+    """Sequences per update (all ranks, all micro-batches)."""
+    micro_batch: int = 0
+    """Rows per forward on each device; updates accumulate micro-batches up to `batch_size`
+    (0 = a rank's whole share of the batch at once). The pre-flight check refuses one that does not fit."""
     lr: float = 5e-4
     """Peak learning rate (paper section 4.1: 5e-4)."""
     warmup_steps: int = 30
     """Linear warm-up, then linear decay to zero."""
     mask_prob: float = 0.15
     """Fraction of non-special tokens masked per sequence."""
+    valid_rows: int = 256
+    """Held-out rows scored (MLM loss and top-1) at step 0, every `eval_every` updates and at the end."""
+    eval_every: int = 100
+    """Validate every N updates."""
+    log_every: int = 10
+    """Append to the aux run's metrics.jsonl every N updates."""
+    ckpt_every: int = 100
+    """Checkpoint every N updates (a multiple of log_every); a killed `make aux` resumes from the newest."""
 
     def __post_init__(self):
+        if self.micro_batch < 0 or self.valid_rows < 1 or min(self.eval_every, self.log_every, self.ckpt_every) < 1:
+            raise ConfigError("aux.micro_batch must be >= 0, aux.valid_rows, eval_every, log_every and ckpt_every >= 1")
+        if self.ckpt_every % self.log_every:
+            raise ConfigError(f"aux.ckpt_every ({self.ckpt_every}) must be a multiple of aux.log_every ({self.log_every})")
         if self.source and not self.source.startswith("hf:"):
             raise ConfigError(f"aux.source must be empty (train our own) or hf:PATH, got {self.source!r}")
         if self.num_layers < 1 or self.steps < 1 or self.batch_size < 1:
@@ -209,12 +224,30 @@ class GenerateConfig:
                               f"got {self.tau}")
 
 
+OBJECTIVES = ("fast-offline", "fast-online", "electra", "mlm")
+
+
+def accumulation(batch_size: int, world: int, micro_batch: int, what: str = "train") -> tuple[int, int]:
+    """(rows per micro-batch, micro-batches per update) on each of `world` ranks: the batch splits evenly
+    over the ranks, a rank's share into micro-batches of `micro_batch` rows (0 = the whole share)."""
+    if batch_size % world:
+        raise ConfigError(f"{what}.batch_size {batch_size} is not divisible by the {world} ranks")
+    share = batch_size // world
+    micro = micro_batch or share
+    if share % micro:
+        raise ConfigError(f"{what}.batch_size {batch_size} over {world} rank(s) is {share} rows per rank, not a "
+                          f"multiple of {what}.micro_batch {micro}; choose a micro-batch dividing {share}")
+    return micro, share // micro
+
+
 @dataclass
 class TrainConfig:
     batch_size: int = 32
     """Global batch in rows (all ranks, all accumulation micro-steps)."""
-    grad_accum: int = 1
-    """Micro-steps per update on each rank."""
+    micro_batch: int = 0
+    """Rows per forward on each device (0 = a rank's whole share of the batch at once). Accumulation is
+    derived: batch_size / (ranks x micro_batch) micro-batches per update, which must divide. The pre-flight
+    check refuses, before any work, a micro-batch whose estimated peak memory exceeds the device's."""
     lr: float = 1e-3
     """Peak learning rate (paper appendix A: 1e-3 for Fast-ELECTRA)."""
     warmup_steps: int = 20
@@ -252,15 +285,16 @@ class TrainConfig:
     """Seed for initialisation and dropout (data order is fixed by the shards)."""
     objective: str = "fast-offline"
     """'fast-offline': RTD on the shards (the product); 'fast-online': the frozen aux model corrupts
-    each batch in the loop (same plan and code as generate/); 'electra': the original joint training."""
+    each batch in the loop (same plan and code as generate/); 'electra': the original joint training;
+    'mlm': the auxiliary masked LM itself (what `make aux` runs, with [train] composed from [aux])."""
     electra_lambda: float = 50.0
     """'electra' only: loss = MLM + lambda * RTD (paper section 2: lambda = 50)."""
 
     def __post_init__(self):
-        if self.objective not in ("fast-offline", "fast-online", "electra"):
-            raise ConfigError(f"train.objective must be 'fast-offline', 'fast-online' or 'electra', got {self.objective!r}")
-        if self.batch_size < 1 or self.grad_accum < 1:
-            raise ConfigError("train.batch_size and train.grad_accum must be >= 1")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {self.objective!r}")
+        if self.batch_size < 1 or self.micro_batch < 0:
+            raise ConfigError("train.batch_size must be >= 1 and train.micro_batch >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
         if self.keep_checkpoints < 1:

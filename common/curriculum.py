@@ -53,8 +53,15 @@ def row_fraction(stream_index: np.ndarray, total_rows: int) -> np.ndarray:
     return np.asarray(stream_index, dtype=np.float64) / float(total_rows)
 
 
-def row_rng(seed: int, epoch: int, row_id: int) -> np.random.Generator:
-    return np.random.default_rng([seed, epoch, row_id])
+# The stream a row's draws come from: the generator's (and fast-online's, ELECTRA's) or the aux model's
+# own MLM training. numpy pads a seed shorter than four words with zeros, so [seed, epoch, row] is
+# [seed, epoch, row, 0]: any nonzero fourth word is a stream that never coincides with the generator's.
+GENERATOR_STREAM = 0
+AUX_MLM_STREAM = 0x41554D  # "AUM"
+
+
+def row_rng(seed: int, epoch: int, row_id: int, stream: int = GENERATOR_STREAM) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, row_id, stream] if stream else [seed, epoch, row_id])
 
 
 def num_to_mask(num_candidates: int, mask_prob: float) -> int:
@@ -62,19 +69,31 @@ def num_to_mask(num_candidates: int, mask_prob: float) -> int:
     return int(math.floor(mask_prob * num_candidates + 0.5))
 
 
+def mask_candidates(input_ids: np.ndarray) -> np.ndarray:
+    """Positions that may be masked: every token but the special ones."""
+    return np.flatnonzero(~np.isin(input_ids, SPECIAL_IDS))
+
+
+def masked_count(rows, mask_prob: float) -> int:
+    """How many positions `choose_masked_positions` masks in these rows, without drawing them."""
+    return sum(num_to_mask(len(mask_candidates(r)), mask_prob) for r in rows)
+
+
 def choose_masked_positions(input_ids: np.ndarray, mask_prob: float, rng: np.random.Generator) -> np.ndarray:
     """Sorted positions to mask: exactly round(mask_prob * n) of the n non-special tokens
     (appendix A: 15%, special tokens never masked)."""
-    candidates = np.flatnonzero(~np.isin(input_ids, SPECIAL_IDS))
+    candidates = mask_candidates(input_ids)
     k = num_to_mask(len(candidates), mask_prob)
     return np.sort(rng.choice(candidates, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
 
 
-def row_draws(input_ids: np.ndarray, mask_prob: float, seed: int, epoch: int, row_id: int):
-    """A row's random draws, in the order every path makes them (generate/, fast-online, ELECTRA):
-    its masked positions, then one sampling uniform per position. Returns (positions, uniforms,
-    rng); the rng goes on for any later draw of the row (appendix C's token dropping)."""
-    rng = row_rng(seed, epoch, row_id)
+def row_draws(input_ids: np.ndarray, mask_prob: float, seed: int, epoch: int, row_id: int,
+              stream: int = GENERATOR_STREAM):
+    """A row's random draws, in the order every path makes them (generate/, fast-online, ELECTRA; the aux
+    model's MLM training from a `stream` of its own): its masked positions, then one sampling uniform per
+    position. Returns (positions, uniforms, rng); the rng goes on for any later draw of the row
+    (appendix C's token dropping)."""
+    rng = row_rng(seed, epoch, row_id, stream)
     positions = choose_masked_positions(input_ids, mask_prob, rng)
     return positions, rng.random(len(positions)), rng
 
@@ -93,11 +112,3 @@ def rtd_labels(original: np.ndarray, corrupted: np.ndarray) -> np.ndarray:
     """1 where the token differs from the original. A sample equal to the original is
     labelled 0 (original), as in the reference ELECTRA."""
     return (original != corrupted).astype(np.int8)
-
-
-def mask_for_mlm(input_ids: np.ndarray, mask_prob: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """MLM input for the aux model: [MASK] at the chosen positions. Returns (masked ids, positions)."""
-    positions = choose_masked_positions(input_ids, mask_prob, rng)
-    masked = input_ids.copy()
-    masked[positions] = MASK_ID
-    return masked, positions

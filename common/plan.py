@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.config import ConfigError, GenerateConfig, RunConfig
-from common.curriculum import VALID_EPOCH, row_fraction, strength_at
+from common.curriculum import GENERATOR_STREAM, VALID_EPOCH, row_fraction, strength_at
 
 
 @dataclass
@@ -63,9 +63,53 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
     return StreamPlan(per_epoch, math.ceil(budget / per_epoch), budget)
 
 
-def epoch_order(num_train_rows: int, epoch: int, num_rows: int, seed: int) -> np.ndarray:
-    """The corpus rows of `epoch` in stream order: a seeded permutation, cut to `num_rows`."""
-    return np.random.default_rng([seed, epoch, 0xE90C]).permutation(num_train_rows)[:num_rows]
+def epoch_order(num_train_rows: int, epoch: int, num_rows: int, seed: int, stream: int = GENERATOR_STREAM) -> np.ndarray:
+    """The corpus rows of `epoch` in stream order: a seeded permutation, cut to `num_rows`. `stream`: the
+    aux model's MLM training (`AUX_MLM_STREAM`) reads the corpus in an order of its own."""
+    key = [seed, epoch, stream, 0xE90C] if stream else [seed, epoch, 0xE90C]
+    return np.random.default_rng(key).permutation(num_train_rows)[:num_rows]
+
+
+class IndexPermutation:
+    """A seeded permutation of [0, n) evaluated index by index in constant memory, for streams whose epochs
+    are too long to hold as an array (a terabyte corpus has ~10^9 rows: 8 GB per epoch as int64).
+
+    A four-round Feistel network over the smallest even number of bits that covers n is a bijection of
+    [0, 4^h); walking each index along its cycle until it lands below n restricts it to a bijection of
+    [0, n) (cycle walking). The domain is under 4n, so a walk takes under 4 passes on average."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, key: list[int]):
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = np.random.default_rng(key).integers(0, 2**62, size=self.ROUNDS, dtype=np.uint64)
+
+    def _mix(self, x: np.ndarray, key: np.uint64) -> np.ndarray:
+        h = (x ^ key) * np.uint64(0x9E3779B97F4A7C15)  # splitmix64's finaliser: every input bit reaches every output bit
+        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (h ^ (h >> np.uint64(31))) & self.mask
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(self.half), x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ self._mix(right, key)
+        return (left << np.uint64(self.half)) | right
+
+    def __call__(self, index: np.ndarray) -> np.ndarray:
+        """The permuted position of each index in [0, n), as int64."""
+        index = np.asarray(index, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= self.n):
+            raise IndexError(f"indices must be in [0, {self.n})")
+        out = self._encrypt(index.astype(np.uint64))
+        outside = out >= np.uint64(self.n)
+        while outside.any():
+            out[outside] = self._encrypt(out[outside])
+            outside = out >= np.uint64(self.n)
+        return out.astype(np.int64)
 
 
 INTERPOLATIONS = ("uniform_to_soh", "tf_to_soh")

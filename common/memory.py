@@ -1,0 +1,152 @@
+"""The pre-flight check: one training micro-batch's peak memory, estimated before any work, against
+what the device has (docs/design.md, scale: a micro-batch that cannot fit stops the job first).
+
+The estimate counts, for the model being trained (its parameters counted on the meta device, so
+nothing is allocated):
+  - 16 bytes per parameter: fp32 weights, gradients and Adam's two moments (+2 on a GPU under bf16
+    autocast, for the cast copies of the weights); in the backward pass a tied embedding (the MLM
+    output layer) holds two more table-sized gradients while its two contributions are summed, and
+    accumulation one more (the new gradient beside the one it is added to);
+  - the activations kept for the backward pass: per encoder layer, ACT_HIDDEN values per token and
+    hidden unit, ACT_FFN per token and feed-forward unit and ACT_ATTENTION per (head, query, key); the
+    (rows, heads, L, L) attention bias and its gradient once per encoder;
+  - the head: the RTD head's per-token values, or the MLM head's masked positions and one chunk of
+    (positions, vocabulary) fp32 logits with their softmax and gradient (`train.mlm`);
+  - the process itself (interpreter, torch, the data reader): RUNTIME_BYTES.
+The coefficients were fitted to measured peaks on CPU (docs/benchmarks.md, the pre-flight estimate);
+on a GPU the same counts are taken at 2 bytes per bf16 value, not yet checked against a measurement.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from common.config import ConfigError, RunConfig
+
+ACT_HIDDEN = 14.0
+ACT_FFN = 3.0
+ACT_ATTENTION = 2.0
+RUNTIME_BYTES = {"cpu": 330 * 2**20, "cuda": 1024 * 2**20}
+# fp32 logits of one chunk of masked positions (train/mlm.py keeps it in step: a test checks they agree)
+LOGIT_CHUNK_ENTRIES = 2**26
+
+
+def count_parameters_of(build) -> int:
+    """Parameters of the model `build()` makes, counted on the meta device (no memory, no init cost)."""
+    with torch.device("meta"):
+        model = build()
+    return sum(p.numel() for p in model.parameters())
+
+
+def encoder_depths(config: RunConfig) -> list[int]:
+    """Depths of the encoders one micro-batch runs through with gradients."""
+    depth = config.model.num_layers
+    if config.train.objective == "electra":
+        return [depth, max(1, round(depth / 3))]  # discriminator and 1/3-depth generator (train/objectives.py)
+    return [depth]
+
+
+def parameters(config: RunConfig, vocab_size: int) -> int:
+    from common.model import MaskedLM, ReplacedTokenDetector
+    if config.train.objective == "mlm":
+        return count_parameters_of(lambda: MaskedLM(config.model, vocab_size, config.model.num_layers))
+    count = count_parameters_of(lambda: ReplacedTokenDetector(config.model, vocab_size))
+    if config.train.objective == "electra":  # the generator shares the embeddings
+        count += count_parameters_of(lambda: MaskedLM(config.model, vocab_size, encoder_depths(config)[1]))
+        count -= vocab_size * config.model.hidden_size + 2 * config.model.hidden_size
+    return count
+
+
+def estimate_peak_bytes(config: RunConfig, vocab_size: int, rows: int, device_type: str = "cpu",
+                        seq_len: int = 0, params: int = 0, accumulating: bool = True) -> float:
+    """Estimated peak bytes of one process training `rows` rows per micro-batch of `seq_len` tokens
+    (default: corpus.max_seq_len), with or without accumulation over micro-batches; `params` may be
+    given to skip counting them."""
+    m = config.model
+    seq_len = seq_len or config.corpus.max_seq_len
+    params = params or parameters(config, vocab_size)
+    gpu = device_type == "cuda"
+    value = 2 if gpu else 4  # bytes of an activation: bf16 under autocast on a GPU, fp32 on CPU
+    table = vocab_size * m.hidden_size * 4  # the token embedding's fp32 gradient
+    static = params * (18 if gpu else 16) + table * ((2 if config.train.objective in ("mlm", "electra") else 0)
+                                                     + (1 if accumulating else 0))
+    tokens = rows * seq_len
+    attention = rows * m.num_heads * seq_len * seq_len
+    acts = 0.0
+    for depth in encoder_depths(config):
+        acts += depth * (tokens * (ACT_HIDDEN * m.hidden_size + ACT_FFN * m.ffn_size) + ACT_ATTENTION * attention) * value
+        acts += 2 * attention * value  # the bias shared by the layers, and its gradient
+    objective = config.train.objective
+    if objective in ("mlm", "electra"):
+        mask_prob = config.aux.mask_prob if objective == "mlm" else config.generate.mask_prob
+        masked = tokens * mask_prob
+        chunk = min(masked, max(1, LOGIT_CHUNK_ENTRIES // vocab_size)) if objective == "mlm" else masked
+        acts += masked * m.hidden_size * 4 * 4 + 3 * chunk * vocab_size * 4
+    if objective != "mlm":
+        acts += tokens * m.hidden_size * 3 * 4
+    return RUNTIME_BYTES["cuda" if gpu else "cpu"] + static + acts
+
+
+def available_bytes(device: torch.device) -> tuple[float, str]:
+    """(bytes this process may use, where the number comes from): free GPU memory, or on CPU the
+    smaller of MemAvailable and the cgroup's limit less its usage, shared by the ranks on this machine."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free memory of {torch.cuda.get_device_name(device)}"
+    available, source = _meminfo_available(), "available RAM (MemAvailable)"
+    limit = _cgroup_room()
+    if limit is not None and limit < available:
+        available, source = limit, "the memory cgroup's room"
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks_here > 1:
+        return available / ranks_here, f"{source} / {ranks_here} ranks on this machine"
+    return available, source
+
+
+def _meminfo_available() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")  # not Linux: no number to check against
+
+
+def _cgroup_room() -> float | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+    except OSError:
+        return None
+    return None if limit == "max" else float(limit) - float(used)
+
+
+def largest_fitting(config: RunConfig, vocab_size: int, budget: float, device_type: str, share: int,
+                    params: int) -> int:
+    """The largest micro-batch dividing a rank's `share` of rows whose estimate fits `budget` (0: none)."""
+    fits = [m for m in range(1, share + 1) if share % m == 0
+            and estimate_peak_bytes(config, vocab_size, m, device_type, params=params, accumulating=m < share) <= budget]
+    return max(fits, default=0)
+
+
+def preflight(config: RunConfig, vocab_size: int, micro: int, device: torch.device, what: str = "train",
+              share: int = 0) -> float:
+    """Refuse, before any work, a micro-batch of `micro` rows whose estimated peak exceeds the device's
+    memory, naming both numbers and the largest micro-batch that fits. Returns the estimate in bytes.
+    FAST_ELECTRA_MEMORY_BYTES overrides the device's number (tests; a machine whose limit is elsewhere)."""
+    params = parameters(config, vocab_size)
+    need = estimate_peak_bytes(config, vocab_size, micro, device.type, params=params,
+                               accumulating=micro < (share or micro))
+    override = os.environ.get("FAST_ELECTRA_MEMORY_BYTES")
+    have, source = (float(override), "FAST_ELECTRA_MEMORY_BYTES") if override else available_bytes(device)
+    if need > have:
+        best = largest_fitting(config, vocab_size, have, device.type, share or micro, params)
+        advice = (f"set {what}.micro_batch = {best} (accumulation makes up the batch)" if best else
+                  "no micro-batch of this model fits: use a device with more memory")
+        raise ConfigError(f"{what}.micro_batch = {micro} rows of {config.corpus.max_seq_len} tokens needs about "
+                          f"{need / 2**30:.2f} GiB by the pre-flight estimate ({params / 1e6:.1f}M parameters), "
+                          f"but {source} is {have / 2**30:.2f} GiB; {advice}")
+    return need
