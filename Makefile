@@ -36,11 +36,11 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor export plots ablations clean help
+.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-aux bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor export plots ablations clean help
 
 help:
 	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make export | make reproduce"
-	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu | make clean"
+	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-aux | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) EXPORT=$(EXPORT) BUDGET=$(BUDGET)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -57,8 +57,9 @@ setup: $(STAMP)
 corpus: setup
 	$(PY) -m corpus --manifest $(MANIFEST) $(SETS) $(if $(WORKERS),--workers $(WORKERS))
 
+# The aux MLM trains in the trainer's loop (objective mlm) on NPROC ranks; a killed run resumes.
 aux: corpus
-	$(PY) -m auxiliary --manifest $(MANIFEST) $(SETS)
+	$(PY) -m auxiliary --manifest $(MANIFEST) $(SETS) --nproc $(NPROC)
 
 generate-epochs: aux
 	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS))
@@ -109,7 +110,7 @@ reproduce: setup
 	$(PY) -m experiments.reproduce --manifest manifests/reproduce.toml $(if $(BUDGET),--budget $(BUDGET))
 
 # All benchmarks (ratios measured in one run each; results in bench/results/).
-bench: bench-corpus bench-generate bench-train bench-efficiency bench-flops
+bench: bench-corpus bench-aux bench-generate bench-train bench-efficiency bench-flops
 
 bench-generate: generate-epochs
 	$(PY) -m bench.generate --manifest $(MANIFEST) --data $(DATA_DIR)
@@ -127,6 +128,11 @@ bench-corpus: setup
 # aux model's forward, FlexAttention vs SDPA; bench/results/base-gpu.{json,md}. Needs CUDA.
 bench-gpu: setup
 	$(PY) -m bench.gpu --manifest manifests/base.toml
+
+# The aux model's training step at the base preset's aux shape (4 x 768, 128K vocabulary) on CPU: peak RSS with
+# 8x the batch at the same micro-batch, and the pre-flight memory estimate against measured peaks.
+bench-aux: setup
+	$(PY) -m bench.aux --manifest manifests/base.toml --out bench/results
 
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md

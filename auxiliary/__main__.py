@@ -1,6 +1,6 @@
 """`make aux`: train the auxiliary masked LM (`auxiliary/mlm.py`).
 
-    python -m auxiliary --manifest manifests/tiny.toml [--corpus DIR] [--out DIR] [--force] [--set KEY=VALUE ...]
+    python -m auxiliary --manifest manifests/tiny.toml [--nproc N] [--corpus DIR] [--out DIR] [--force] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from auxiliary.mlm import aux_is_current, train_aux, use_hf_aux
+from auxiliary.mlm import AuxRunError, aux_is_current, train_aux, use_hf_aux
 from common.checkpoint import AUX_FILE
 from common.config import ConfigError, add_set_argument, load_manifest
 from common.sources import CorpusError
@@ -22,7 +20,8 @@ def main(argv=None) -> int:
     add_set_argument(parser)
     parser.add_argument("--corpus", default=None, help="corpus folder (default: WORK_DIR/corpus)")
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/aux)")
-    parser.add_argument("--force", action="store_true", help="retrain even if aux.pt exists")
+    parser.add_argument("--force", action="store_true", help="retrain from step 0 even if aux.pt or a run exists")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (devices) to train on, under torchrun (default 1)")
     args = parser.parse_args(argv)
     try:
         config = load_manifest(args.manifest, args.sets)
@@ -34,8 +33,10 @@ def main(argv=None) -> int:
         if config.aux.source:
             use_hf_aux(config, corpus, out)
             return 0
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        train_aux(config, corpus, out)
+        train_aux(config, corpus, out, nproc=args.nproc, force=args.force)
+    except AuxRunError as e:  # the trainer has printed its own error
+        print(f"error: {e}", file=sys.stderr)
+        return e.code if 0 < e.code < 256 else 1
     except (ConfigError, CorpusError, FileNotFoundError, ValueError) as e:  # ValueError: common.hf.HFError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,105 +1,117 @@
-"""`make aux`: train the auxiliary masked LM, standing in for "an existing model
-from a previous training round" (paper section 3; section 4.1: MLM, lr 5e-4).
+"""`make aux`: train the auxiliary masked LM, standing in for "an existing model from a previous
+training round" (paper section 3; section 4.1: MLM, lr 5e-4).
 
-    python -m auxiliary --manifest manifests/tiny.toml [--corpus DIR] [--out DIR]  (`auxiliary/__main__.py`)
+    python -m auxiliary --manifest manifests/tiny.toml [--nproc N] [--corpus DIR] [--out DIR]  (`auxiliary/__main__.py`)
 
-Masked positions always get [MASK] (the generator later feeds the aux model the
-same kind of input). Writes aux.pt and aux.json (sha256, vocabulary, metrics).
+The aux model trains in the one training loop, as a training job like the main model's: the trainer's
+`mlm` objective (`train/mlm.py`) run as its own process (`python -m train`, or torchrun for N ranks),
+with a [train] table composed from [aux] (`aux_run_config`): micro-batches with accumulation, DDP,
+checkpoints every `aux.ckpt_every` updates, resume after kill -9, validation, metrics.jsonl. Its run
+folder is `aux/run-KEY/`, KEY a hash of everything that decides the updates, so a changed [aux]
+starts a fresh run and an unchanged one resumes. When the run has done its `aux.steps` updates, its
+last checkpoint is published as aux.pt and aux.json (sha256, vocabulary, MLM metrics): the file the
+generator reads.
 """
 from __future__ import annotations
 
-import time
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
-
-from common.batching import attention_mask, pad_rows
-from common.checkpoint import AUX_FILE, read_aux_meta, save_aux, save_hf_aux
+from common.checkpoint import AUX_FILE, latest_checkpoint, read_aux_meta, save_aux, save_hf_aux
+from common.config import RunConfig, config_to_dict, dump_toml, save_resolved, trajectory_config
+from common.corpus import load_corpus_meta
 from common.io import sha256_file
-from common.config import RunConfig, save_resolved
-from common.corpus import SplitRows, load_corpus_meta
+from common.model import MaskedLM
 from common.sources import CorpusError
-from common.curriculum import mask_for_mlm, row_rng
-from common.model import MaskedLM, count_parameters
-from common.optim import build_optimizer, build_scheduler
 from common.tokenizer import open_tokenizer
 
-
-def mlm_batch(rows: list[np.ndarray], mask_prob: float, seed: int, step: int, row_ids) -> tuple:
-    masked, positions = [], []
-    for r, rid in zip(rows, row_ids):
-        m, pos = mask_for_mlm(r, mask_prob, row_rng(seed, step, int(rid)))
-        masked.append(m)
-        positions.append(pos)
-    ids = pad_rows(masked)
-    mask_flags = torch.zeros(ids.shape, dtype=torch.bool)
-    for i, pos in enumerate(positions):
-        mask_flags[i, torch.from_numpy(pos)] = True
-    targets = pad_rows(rows)[mask_flags]
-    return ids, attention_mask([len(r) for r in rows], ids.shape[1]), mask_flags, targets
+REPO = Path(__file__).resolve().parents[1]
 
 
-@torch.no_grad()
-def evaluate_mlm(model: MaskedLM, rows: list[np.ndarray], mask_prob: float, seed: int, batch_size: int = 64) -> dict:
-    model.eval()
-    device = next(model.parameters()).device
-    loss_sum, correct, count = 0.0, 0, 0
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        ids, attn, flags, targets = (t.to(device) for t in mlm_batch(chunk, mask_prob, seed, 10**9,
-                                                                     range(start, start + len(chunk))))
-        logits = model(ids, attn, flags)
-        loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
-        correct += (logits.argmax(-1) == targets).sum().item()
-        count += len(targets)
-    model.train()
-    return {"mlm_loss": loss_sum / max(count, 1), "mlm_top1": correct / max(count, 1)}
+def aux_run_config(config: RunConfig) -> RunConfig:
+    """The trainer's config for the aux model: its depth, and [train] composed from [aux] (batch,
+    micro-batch, steps, lr, warm-up, intervals) with the main model's optimizer settings (betas, eps,
+    weight decay, clipping, the position bias's lr multiplier) and no embedding multiplier (the MLM
+    output layer is tied to the embeddings). Initialised from the run's seed."""
+    a = config.aux
+    train = dataclasses.replace(config.train, objective="mlm", batch_size=a.batch_size, micro_batch=a.micro_batch,
+                                lr=a.lr, warmup_steps=a.warmup_steps, max_steps=a.steps, embed_lr_scale=1.0,
+                                eval_every=a.eval_every, log_every=a.log_every, ckpt_every=a.ckpt_every,
+                                allow_short_stream=False, verify_shards=False, seed=config.seed)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=a.num_layers), train=train)
 
 
-def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> Path:
-    cfg = config.aux
+def run_key(config: RunConfig, corpus_dir: Path) -> str:
+    """What the aux run's updates depend on: the composed config's trajectory and the corpus."""
     meta = load_corpus_meta(corpus_dir)
-    tok = open_tokenizer(corpus_dir)
-    train_rows = SplitRows(corpus_dir, "train")  # memory-mapped: flat memory in corpus size
-    valid = SplitRows(corpus_dir, "valid")
-    valid_rows = [valid[i] for i in range(min(256, len(valid)))]
-    torch.manual_seed(config.seed)
-    # On a GPU when there is one (fp32; its weights then differ from a CPU run's, as the shards do).
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = MaskedLM(config.model, tok.vocab_size, cfg.num_layers).to(device)
-    optimizer = build_optimizer(model, cfg.lr, config.train.betas, config.train.eps, config.train.weight_decay,
-                                config.train.rel_bias_lr_scale)  # no embed_lr_scale: the MLM output is tied to it
-    scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.steps)
-    log(f"aux: {count_parameters(model) / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
-        f"{cfg.steps} steps x {cfg.batch_size} rows, lr {cfg.lr}, on {device.type}")
-    start_metrics = evaluate_mlm(model, valid_rows, cfg.mask_prob, config.seed)
-    batch_rng = np.random.default_rng([config.seed, 0xA0C])
-    t0, tokens = time.time(), 0
-    bar = tqdm(range(cfg.steps), desc="aux MLM", unit="step", dynamic_ncols=True)
-    for step in bar:
-        row_ids = batch_rng.integers(0, len(train_rows), size=cfg.batch_size)
-        rows = [train_rows[i] for i in row_ids]
-        ids, attn, flags, targets = (t.to(device) for t in mlm_batch(rows, cfg.mask_prob, config.seed, step, row_ids))
-        loss = F.cross_entropy(model(ids, attn, flags).float(), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.clip_norm)
-        optimizer.step()
-        scheduler.step()
-        tokens += int(attn.sum())
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.time() - t0):.0f}")
-    end_metrics = evaluate_mlm(model, valid_rows, cfg.mask_prob, config.seed)
-    metrics = {"steps": cfg.steps, "start": start_metrics, "end": end_metrics,
-               "tokens_per_s": tokens / (time.time() - t0)}
-    path = save_aux(model.cpu(), config.model, cfg.num_layers, tok.vocab_size, meta["tokenizer_sha256"], out_dir, metrics)
+    parts = [p["sha256"] for split in ("train", "valid") for p in meta[split]["parts"]]
+    blob = {"config": trajectory_config(config_to_dict(aux_run_config(config))), "corpus": parts,
+            "tokenizer": meta["tokenizer_sha256"]}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def trainer_command(nproc: int) -> list[str]:
+    """One rank in a plain process; several under torchrun (train/launch.py: a rank's error is the exit code)."""
+    if nproc <= 1:
+        return [sys.executable, "-m", "train"]
+    return [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", str(nproc), "-m", "train"]
+
+
+def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print, nproc: int = 1, force: bool = False,
+              env: dict | None = None) -> Path:
+    """Train (or resume) the aux run in a trainer process, then publish its last checkpoint as aux.pt."""
+    corpus_dir, out_dir = Path(corpus_dir).resolve(), Path(out_dir).resolve()
+    run_dir = out_dir / f"run-{run_key(config, corpus_dir)}"
+    if force and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest = run_dir / "aux_run.toml"
+    manifest.write_text(dump_toml(aux_run_config(config)))
+    command = [*trainer_command(nproc), "--manifest", str(manifest), "--corpus", str(corpus_dir),
+               "--out", str(run_dir), "--resume"]
+    log(f"aux: training in {run_dir} ({nproc} rank(s)): {' '.join(command[1:])}")
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), child_env.get("PYTHONPATH", "")]))
+    code = subprocess.run(command, env=child_env).returncode
+    if code != 0:
+        raise AuxRunError(f"the aux training run in {run_dir} stopped (exit code {code}); run `make aux` again to "
+                          f"resume it from its last checkpoint", code)
+    return publish(config, corpus_dir, run_dir, out_dir, log)
+
+
+class AuxRunError(RuntimeError):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def publish(config: RunConfig, corpus_dir: Path, run_dir: Path, out_dir: Path, log=print) -> Path:
+    """aux.pt and aux.json from the aux run's last checkpoint: the weights after `aux.steps` updates, the
+    validation metrics at its start and end (mlm_loss, mlm_top1); the file's bytes depend on inputs only."""
+    found = latest_checkpoint(run_dir / "checkpoints")
+    if not found or found[1]["step"] != config.aux.steps:
+        raise CorpusError(f"the aux run in {run_dir} has no checkpoint at step {config.aux.steps}")
+    path, state = found
+    tok, meta = open_tokenizer(corpus_dir), load_corpus_meta(corpus_dir)
+    model = MaskedLM(config.model, tok.vocab_size, config.aux.num_layers)
+    model.load_state_dict(state["model"])
+    history = state["history"]
+    renamed = lambda m: {"mlm_loss": m["loss"], "mlm_top1": m["top1"]}  # noqa: E731 - aux.json's names
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    metrics = {"steps": config.aux.steps, "start": renamed(history["start"]), "end": renamed(history["last"]),
+               "run_key": run_dir.name.removeprefix("run-"), "tokens_per_s": summary.get("tokens_per_s")}
+    out = save_aux(model, config.model, config.aux.num_layers, tok.vocab_size, meta["tokenizer_sha256"], out_dir,
+                   metrics)
     save_resolved(config, out_dir)
-    log(f"aux: valid MLM loss {start_metrics['mlm_loss']:.3f} -> {end_metrics['mlm_loss']:.3f}, "
-        f"top-1 {start_metrics['mlm_top1']:.3f} -> {end_metrics['mlm_top1']:.3f}; "
-        f"{metrics['tokens_per_s']:.0f} tokens/s -> {path}")
-    return path
+    log(f"aux: valid MLM loss {metrics['start']['mlm_loss']:.3f} -> {metrics['end']['mlm_loss']:.3f}, "
+        f"top-1 {metrics['start']['mlm_top1']:.3f} -> {metrics['end']['mlm_top1']:.3f} ({path.name}) -> {out}")
+    return out
 
 
 def use_hf_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) -> Path:
@@ -142,4 +154,5 @@ def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
                 and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
     return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
             and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps
+            and meta.get("metrics", {}).get("run_key") == run_key(config, corpus_dir)
             and sha256_file(out_dir / AUX_FILE) == meta["sha256"])

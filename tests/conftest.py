@@ -64,7 +64,7 @@ def built(tmp_path_factory):
     config = tiny_config(work)
     torch.set_num_threads(1)
     build_corpus(config, config.corpus_dir, log=lambda *_: None)
-    train_aux(config, config.corpus_dir, config.aux_dir, log=lambda *_: None)
+    train_aux(config, config.corpus_dir, config.aux_dir, log=lambda *_: None, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return config
 
 

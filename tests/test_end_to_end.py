@@ -81,24 +81,26 @@ def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path,
 
 
 def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, tmp_path, gloo_env):
-    """Same global batch split 1x1, 2 ranks x 1, 1 rank x 2 micro-batches: the same losses
-    (dropout off, so the only difference is where the rows are summed)."""
+    """The same global batch of 8 rows as 1 rank x 1 micro-batch, 2 ranks x 2 micro-batches of 2 rows and
+    1 rank x 4 micro-batches of 2 rows (accumulation derived from train.micro_batch): the same losses
+    (dropout off, so the only difference is where the rows are summed; measured within 2e-5)."""
     import dataclasses
     _, data, _ = generated
     losses = {}
-    for nproc, accum in ((1, 1), (2, 1), (1, 2)):
+    for nproc, micro in ((1, 8), (2, 2), (1, 2)):
         config = dataclasses.replace(built, model=dataclasses.replace(built.model, dropout=0.0),
-                                     train=dataclasses.replace(built.train, grad_accum=accum, max_steps=6))
-        manifest = tmp_path / f"m{nproc}{accum}.toml"
+                                     train=dataclasses.replace(built.train, micro_batch=micro, max_steps=6))
+        manifest = tmp_path / f"m{nproc}{micro}.toml"
         manifest.write_text(dump_toml(config))
-        run = tmp_path / f"run{nproc}{accum}"
+        run = tmp_path / f"run{nproc}{micro}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=gloo_env)
         assert result.returncode == 0, result.stderr[-3000:]
+        assert f"({micro} per micro-batch, {8 // nproc // micro} accumulated)" in result.stdout
         records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-        losses[(nproc, accum)] = [r["loss"] for r in records]
+        losses[(nproc, micro)] = [r["loss"] for r in records]
         assert [r["rows"] for r in records] == [[8 * s, 8 * (s + 1)] for s in range(6)]
-    assert len(losses[(1, 1)]) == 6
-    np.testing.assert_allclose(losses[(2, 1)], losses[(1, 1)], rtol=2e-5)
-    np.testing.assert_allclose(losses[(1, 2)], losses[(1, 1)], rtol=2e-5)
+    assert len(losses[(1, 8)]) == 6
+    np.testing.assert_allclose(losses[(2, 2)], losses[(1, 8)], rtol=2e-5)
+    np.testing.assert_allclose(losses[(1, 2)], losses[(1, 8)], rtol=2e-5)

@@ -31,7 +31,7 @@ def _poisoning(poisoned_steps):
             if self.training:  # evaluation stays clean
                 if Poisoned.calls == 0:
                     Poisoned.initial_state = copy.deepcopy(self.state_dict())
-                step = Poisoned.calls  # grad_accum = 1: one training forward per step
+                step = Poisoned.calls  # one micro-batch per update: one training forward per step
                 Poisoned.calls += 1
                 if poisoned_steps(step):
                     out = out * float("nan")
@@ -110,3 +110,36 @@ def test_curves_are_redrawn_at_most_once_a_minute_and_at_the_end(generated, tmp_
     args.out = str(tmp_path / "every")
     trainer.train(args)
     assert drawn == [2, 4, 6, 8, 10, 12, 12]
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """The identity forward; an infinite gradient backward (a bf16 overflow in the backward pass)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def test_a_finite_loss_with_an_infinite_gradient_skips_the_step(generated, tmp_path, monkeypatch):
+    """Only the gradient overflows: the loss is finite, but the clip would turn every gradient into NaN
+    (max_norm / inf = 0, and inf x 0 = NaN) and the optimizer step every weight after it."""
+    class GradientBlowsUp(ReplacedTokenDetector):
+        initial_state = None
+
+        def forward(self, input_ids, attention_mask):
+            if self.training and GradientBlowsUp.initial_state is None:
+                GradientBlowsUp.initial_state = copy.deepcopy(self.state_dict())
+            out = super().forward(input_ids, attention_mask)
+            return _InfiniteGradient.apply(out) if self.training else out
+    args, _ = _run(generated, tmp_path, monkeypatch, lambda s: False, max_steps=4, max_nonfinite_steps=100)
+    monkeypatch.setattr(trainer, "ReplacedTokenDetector", GradientBlowsUp)
+    summary = trainer.train(args)
+    records = _records(tmp_path)
+    assert all(math.isfinite(r["loss"]) and not math.isfinite(r["grad_norm"]) for r in records)
+    assert summary["nonfinite_steps"] == 4
+    _, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert all(torch.equal(state["model"][k].cpu(), v.cpu()) for k, v in GradientBlowsUp.initial_state.items())

@@ -19,7 +19,7 @@ from torch import nn
 
 from common.batching import attention_mask
 from common.config import ModelConfig
-from common.curriculum import row_draws, sample_replacements
+from common.curriculum import GENERATOR_STREAM, row_draws, sample_replacements
 from common.model import MaskedLM, ReplacedTokenDetector
 from common.tokenizer import MASK_ID
 
@@ -57,15 +57,16 @@ class ElectraPair(nn.Module):
 
 
 def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray | int, seed: int,
-                  mask_prob: float, pad_to: int) -> dict:
-    """Per row: masked positions and sampling uniforms drawn exactly as generate/ draws them, as
-    padded tensors: original_ids, masked_ids, masked_flags, uniforms (row-major over flags)."""
+                  mask_prob: float, pad_to: int, stream: int = GENERATOR_STREAM) -> dict:
+    """Per row: masked positions and sampling uniforms drawn exactly as generate/ draws them (or from
+    the aux model's own `stream`), as padded tensors: original_ids, masked_ids, masked_flags, uniforms
+    (row-major over flags)."""
     epochs = np.broadcast_to(np.asarray(epoch), (len(rows),))
     original = torch.zeros((len(rows), pad_to), dtype=torch.long)
     flags = torch.zeros((len(rows), pad_to), dtype=torch.bool)
     uniforms = []
     for i, (r, rid, e) in enumerate(zip(rows, row_ids, epochs)):
-        pos, u, _ = row_draws(r, mask_prob, seed, int(e), int(rid))
+        pos, u, _ = row_draws(r, mask_prob, seed, int(e), int(rid), stream)
         uniforms.append(u)
         original[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
         flags[i, torch.from_numpy(pos)] = True
@@ -81,11 +82,16 @@ def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15) -> dict:
 
 
 ELECTRA_INPUTS = ("masked_ids", "attention_mask", "masked_flags", "original_ids", "uniforms")
+MLM_INPUTS = ("masked_ids", "attention_mask", "masked_flags", "targets")
 
 
 def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
     """One micro-batch through the model: (RTD loss summed over its non-pad tokens, and for `electra`
-    the generator's MLM loss summed over its masked positions and its top-1 hits; else None, None)."""
+    the generator's MLM loss summed over its masked positions and its top-1 hits; else None, None).
+    A batch of `train.mlm.mlm_tensors` (the aux model's own training) gives (None, MLM loss sum, hits)."""
+    if "targets" in batch:
+        mlm, hits = model(*(batch[k].to(device) for k in MLM_INPUTS))
+        return None, mlm, hits
     mask = batch["attention_mask"].to(device)
     if electra:  # the generator masks, predicts and samples; the discriminator detects
         mlm, logits, labels, hits = model(*(batch[k].to(device) for k in ELECTRA_INPUTS))
@@ -97,7 +103,10 @@ def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
 
 
 def objective(rtd_sum, mlm_sum, tokens: float, masked: float, electra_lambda: float):
-    """The loss to differentiate: RTD mean over tokens (paper section 3), or for `electra`
-    L_MLM + lambda * L_RTD (paper section 2). `tokens` / `masked`: the counts the sums are over."""
+    """The loss to differentiate: RTD mean over tokens (paper section 3), for `electra`
+    L_MLM + lambda * L_RTD (paper section 2), for `mlm` the MLM mean over masked positions.
+    `tokens` / `masked`: the counts the sums are over."""
+    if rtd_sum is None:
+        return mlm_sum / masked
     rtd = rtd_sum / tokens
     return rtd if mlm_sum is None else mlm_sum / masked + electra_lambda * rtd

@@ -12,8 +12,9 @@ from pathlib import Path
 from common.io import atomic_path
 
 PANELS = (  # (title, metrics.jsonl keys)
-    ("RTD loss", ("loss", "val_loss")),
-    ("validation, replaced class", ("val_accuracy", "val_recall", "val_precision", "val_auc")),
+    ("loss (RTD; MLM for the aux model)", ("loss", "val_loss")),
+    ("validation: replaced class (RTD), top-1 (MLM)", ("val_accuracy", "val_recall", "val_precision", "val_auc",
+                                                       "top1", "val_top1")),
     ("learning rate", ("lr",)),
     ("temperature consumed", ("temperature_min", "temperature_max")),
     ("gradient norm (before clipping)", ("grad_norm",)),

@@ -2,9 +2,10 @@
 min_theta L_RTD(theta); the aux model costs nothing here). `train()` is the loop, top to bottom.
 
 Global batch b at step s = stream rows [s*b, (s+1)*b); rank r of W reads its contiguous b/W
-rows as `grad_accum` micro-batches. The loss is the mean over all non-pad tokens of the global
-batch, so W ranks give the same update as one. Checkpoints (`train/state.py`) hold everything
-needed to continue bitwise.
+rows as micro-batches of `micro_batch` rows, built one at a time. The loss is the mean over all
+non-pad tokens (masked positions for the MLM losses) of the global batch, so W ranks give the
+same update as one. Checkpoints (`train/state.py`) hold everything needed to continue bitwise.
+The same loop trains the auxiliary masked LM (objective `mlm`, `make aux`: `train/mlm.py`).
 """
 from __future__ import annotations
 
@@ -22,15 +23,18 @@ import torch
 from tqdm import tqdm
 
 from common.checkpoint import AUX_FILE, latest_checkpoint
-from common.config import ConfigError, RunConfig, load_manifest, save_resolved
+from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
 from common.corpus import load_corpus_meta
+from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
 from common.io import FolderLock, atomic_write_json, atomic_write_text
+from common.memory import preflight
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
 from train import state
 from train.data import DataError, load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream, validation_stream
 from train.metrics import rtd_metrics
+from train.mlm import MLMObjective, evaluate_mlm, mlm_streams, mlm_tensors
 from train.objectives import ElectraPair, electra_tensors, forward_losses, objective
 from train.plots import plot_curves
 
@@ -65,6 +69,11 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
     """(training stream, validation rows, vocabulary size, replaced-token prior, data key, data description,
     the sha256 of the tokenizer the data was made with)."""
     objective_name = config.train.objective
+    corpus_dir = Path(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    if objective_name == "mlm":  # the aux model's own training on the corpus (`make aux`)
+        stream, valid, vocab_size, key = mlm_streams(config, corpus_dir)
+        return (stream, valid, vocab_size, None, key, f"mlm on {corpus_dir}",
+                load_corpus_meta(corpus_dir)["tokenizer_sha256"])
     if objective_name == "fast-offline":  # the product: shards written once by generate/
         data_dir = Path(args.data) if args.data else config.epochs_dir
         manifest, manifest_hash = load_data_manifest(data_dir, config)
@@ -72,7 +81,6 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
                 replaced_rate(manifest), manifest_hash, data_dir, manifest.get("tokenizer_sha256", ""))
     # fast-online: the same rows, corrupted in the loop by the frozen aux model; electra: by the generator
     from train.online import online_streams
-    corpus_dir = Path(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
     aux_path = Path(args.aux) if getattr(args, "aux", None) else config.aux_dir / AUX_FILE
     stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, device.type,
                                                               corrupt=objective_name == "fast-online")
@@ -81,30 +89,59 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
             f"{aux_path})", load_corpus_meta(corpus_dir)["tokenizer_sha256"])
 
 
-def accumulate(ddp_model, batches: list[dict], device, autocast, world: int, electra: bool, electra_lambda: float):
-    """Forward and backward over this rank's micro-batches of one update (DDP syncs on the last).
-    Returns the global RTD loss per token, the generator's MLM loss and top-1 (electra) and the token count."""
-    local_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    local_masked = sum(int(b["masked_flags"].sum()) for b in batches) if electra else 0
+def accumulate(ddp_model, micro_rows: list[dict], to_batch, device, autocast, world: int, objective_name: str,
+               electra_lambda: float, mask_prob: float):
+    """Forward and backward over this rank's micro-batches of one update, each made into tensors only when
+    its turn comes (DDP syncs on the last). Returns the global loss (RTD per token; MLM per masked position
+    for `mlm`), the MLM loss and top-1 (electra's generator, or `mlm`'s) and the token count."""
+    mlm_kind = objective_name in ("electra", "mlm")
+    local_tokens = sum(len(r) for rows in micro_rows for r in rows["input_ids"])
+    local_masked = sum(masked_count(rows["input_ids"], mask_prob) for rows in micro_rows) if mlm_kind else 0
     global_tokens, global_masked = all_reduce([float(local_tokens), float(local_masked)], world)
     loss_sum, mlm_sum, mlm_hits = 0.0, 0.0, 0.0
-    for i, batch in enumerate(batches):
-        sync = ddp_model.no_sync() if (world > 1 and i < len(batches) - 1) else contextlib.nullcontext()
+    for i, rows in enumerate(micro_rows):
+        batch = to_batch(rows)
+        sync = ddp_model.no_sync() if (world > 1 and i < len(micro_rows) - 1) else contextlib.nullcontext()
         with sync, autocast:
-            loss, mlm, hits = forward_losses(ddp_model, batch, device, electra)
+            loss, mlm, hits = forward_losses(ddp_model, batch, device, objective_name == "electra")
             # DDP averages gradients over ranks, so divide by global / W: the result is d(sum / global_tokens).
             objective(loss, mlm, global_tokens / world, global_masked / world, electra_lambda).backward()
-        loss_sum += loss.item()
-        if electra:
+        if loss is not None:
+            loss_sum += loss.item()
+        if mlm is not None:
             mlm_sum, mlm_hits = mlm_sum + mlm.item(), mlm_hits + float(hits)
     loss_sum, mlm_sum, mlm_hits = all_reduce([loss_sum, mlm_sum, mlm_hits], world)
-    extra = {"generator_mlm_loss": mlm_sum / global_masked, "generator_top1": mlm_hits / global_masked} if electra else {}
+    if objective_name == "mlm":
+        return mlm_sum / global_masked, {"top1": mlm_hits / global_masked}, global_tokens
+    extra = {"generator_mlm_loss": mlm_sum / global_masked, "generator_top1": mlm_hits / global_masked} if mlm_kind else {}
     return loss_sum / global_tokens, extra, global_tokens
+
+
+def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_batch, device, autocast, world: int,
+           tc, mask_prob: float) -> tuple[float, dict, float, float, bool]:
+    """One training update: forward and backward over the micro-batches, clip, step, schedule. A non-finite
+    loss or gradient norm skips the optimizer step (the schedule still moves on: it indexes the rows, the
+    lr and the temperature). Returns (loss, extra metrics, global tokens, gradient norm, stepped)."""
+    loss, extra, tokens = accumulate(ddp_model, micro_rows, to_batch, device, autocast, world, tc.objective,
+                                     tc.electra_lambda, mask_prob)
+    grad_norm = float("nan")
+    if math.isfinite(loss):
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm))
+    # an infinite norm would turn every gradient into NaN through the clip, and the weights would follow
+    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss, extra, tokens, grad_norm, stepped
 
 
 def build_model(config: RunConfig, vocab_size: int, prior: float, device: torch.device) -> tuple:
     """(the model to train, the detector that validation scores): the same initial weights on every rank."""
     torch.manual_seed(config.train.seed)
+    if config.train.objective == "mlm":  # the aux model: its own depth, no RTD head
+        model = MLMObjective(config.model, vocab_size, config.model.num_layers).to(device)
+        return model, model
     if config.train.objective == "electra":  # generator + discriminator, embeddings shared
         model = ElectraPair(config.model, vocab_size).to(device)
         detector = model.discriminator
@@ -148,10 +185,11 @@ def train(args, after_step=None) -> dict:
 def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: torch.device, after_step) -> dict:
     """The training loop, top to bottom."""
     tc = config.train
-    if tc.batch_size % (world * tc.grad_accum):
-        raise ConfigError(f"train.batch_size {tc.batch_size} must be divisible by ranks x grad_accum "
-                          f"= {world} x {tc.grad_accum}")
+    mlm = tc.objective == "mlm"
+    micro, accum = accumulation(tc.batch_size, world, tc.micro_batch, "aux" if mlm else "train")
     stream, valid, vocab_size, prior, manifest_hash, data_desc, tokenizer_sha256 = open_streams(config, args, device)
+    # Before any work: refuse a micro-batch whose estimated peak memory exceeds the device's.
+    preflight(config, vocab_size, micro, device, what="aux" if mlm else "train", share=tc.batch_size // world)
     # Every shard's sha256, while the model is built and the step-0 evaluation runs (fast-offline).
     checking = ThreadPoolExecutor(max_workers=1).submit(stream.verify, rank, world) \
         if tc.verify_shards and hasattr(stream, "verify") else None
@@ -166,7 +204,6 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     if tc.max_steps:
         total_steps = min(total_steps, tc.max_steps)
     dropped_rows = stream.num_rows - total_steps * tc.batch_size
-    micro = tc.batch_size // (world * tc.grad_accum)
 
     model, detector = build_model(config, vocab_size, prior, device)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
@@ -179,6 +216,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     torch.manual_seed(tc.seed + 1000 + rank)  # dropout stream of this rank
 
     ckpt_dir, progress = run_dir / "checkpoints", state.Progress()
+    evaluate_now = partial(evaluate_mlm, seed=config.seed, mask_prob=config.aux.mask_prob) if mlm else evaluate
     if args.resume and (restored := state.restore(ckpt_dir, model, optimizer, scheduler, config, manifest_hash,
                                                   data_desc, rank, world, device)):
         path, progress = restored
@@ -192,10 +230,10 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     if is_main:
         metrics_path = open_metrics(run_dir, config, progress.step)
         print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
-              f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {tc.grad_accum} accum); "
+              f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {accum} accumulated); "
               f"{dropped_rows} tail rows dropped; data {data_desc}")
         if "start" not in history:
-            history["start"] = {"step": 0, **evaluate(detector, valid, device, autocast)}
+            history["start"] = {"step": 0, **evaluate_now(detector, valid, device, autocast)}
     if checking is not None:
         problems = checking.result()
         if any_rank(bool(problems), world):
@@ -212,28 +250,29 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
 
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")  # fetches step s+1 during step s
     next_rows = reader.submit(read_step, progress.step)
-    to_batch = partial(electra_tensors, seed=config.seed, mask_prob=config.generate.mask_prob) if electra else to_tensors
-    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", disable=not is_main,
-               dynamic_ncols=True)
+    mask_prob = config.aux.mask_prob if mlm else config.generate.mask_prob
+    to_batch = (partial(mlm_tensors, seed=config.seed, mask_prob=mask_prob) if mlm else
+                partial(electra_tensors, seed=config.seed, mask_prob=mask_prob) if electra else to_tensors)
+    bar = tqdm(total=total_steps, initial=progress.step, desc="aux MLM" if mlm else "train", unit="step",
+               disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps, last_plot = time.time(), 0, [math.inf, -math.inf], -math.inf
     deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
     while progress.step < total_steps and not deadline_hit:
         step = progress.step
         rows = next_rows.result()
         next_rows = reader.submit(read_step, step + 1)
-        neg_t_min, t_max = all_max([-float(rows["temperature"].min()), float(rows["temperature"].max())], world)
-        temps = [min(temps[0], -neg_t_min), max(temps[1], t_max)]
-        consumed = history.setdefault("temperature_consumed", [math.inf, -math.inf])
-        history["temperature_consumed"] = [min(consumed[0], temps[0]), max(consumed[1], temps[1])]
-        batches = [to_batch({k: v[i * micro:(i + 1) * micro] for k, v in rows.items()}) for i in range(tc.grad_accum)]
-        step_loss, extra, global_tokens = accumulate(ddp_model, batches, device, autocast, world, electra,
-                                                     tc.electra_lambda)
-        if math.isfinite(step_loss):
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm))
-            optimizer.step()
+        if "temperature" in rows:  # the RTD streams: the curriculum's temperatures consumed
+            neg_t_min, t_max = all_max([-float(rows["temperature"].min()), float(rows["temperature"].max())], world)
+            temps = [min(temps[0], -neg_t_min), max(temps[1], t_max)]
+            consumed = history.setdefault("temperature_consumed", [math.inf, -math.inf])
+            history["temperature_consumed"] = [min(consumed[0], temps[0]), max(consumed[1], temps[1])]
+        micro_rows = [{k: v[i * micro:(i + 1) * micro] for k, v in rows.items()} for i in range(accum)]
+        lr = scheduler.get_last_lr()[0]
+        step_loss, extra, global_tokens, grad_norm, stepped = update(ddp_model, model, optimizer, scheduler, micro_rows,
+                                                                     to_batch, device, autocast, world, tc, mask_prob)
+        if stepped:
             progress.nonfinite_run = 0
-        else:  # skip the update; stop after too many in a row
-            grad_norm = float("nan")
+        else:  # the update was skipped; stop after too many in a row
             progress.nonfinite_total += 1
             progress.nonfinite_run += 1
             if progress.nonfinite_run >= tc.max_nonfinite_steps:
@@ -242,9 +281,6 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                 if is_main:
                     plot_curves(run_dir)  # what was logged, for the run someone will want to look at
                 raise nonfinite_error(progress, tc.batch_size, ckpt_dir)
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
         progress.step = step = step + 1
         if deadline:  # a wall-clock budget (make reproduce): every rank stops after the same update
             deadline_hit = all_max([float(time.time() >= deadline)], world)[0] > 0 and step < total_steps
@@ -253,17 +289,19 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         tokens_per_s = tokens_seen / (time.time() - t_start)
         bar.update(1)
         if is_main:
-            bar.set_postfix(loss=f"{step_loss:.4f}", T=f"{temps[1]:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            shown = {"top1": f"{extra['top1']:.3f}"} if mlm else {"T": f"{temps[1]:.3f}"}
+            bar.set_postfix(loss=f"{step_loss:.4f}", **shown, tok_s=f"{tokens_per_s:.0f}")
         record = None
         if step % tc.log_every == 0 or final:
             record = {"step": step, "time": time.time(), "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
-                      "temperature_min": temps[0], "temperature_max": temps[1], "tokens_per_s": tokens_per_s,
+                      **({} if mlm else {"temperature_min": temps[0], "temperature_max": temps[1]}),
+                      "tokens_per_s": tokens_per_s,
                       "peak_memory_mb": peak_memory_mb(device), "nonfinite_steps": progress.nonfinite_total,
                       "rows": [step * tc.batch_size - tc.batch_size, step * tc.batch_size], **extra}
             temps = [math.inf, -math.inf]
         if step % tc.eval_every == 0 or final:
             if is_main:
-                evaluation = evaluate(detector, valid, device, autocast)
+                evaluation = evaluate_now(detector, valid, device, autocast)
                 history["last"] = {"step": step, **evaluation}
                 record = {**(record or {"step": step}), **{f"val_{k}": v for k, v in evaluation.items()}}
             barrier(world)
@@ -311,6 +349,14 @@ def summary_text(summary: dict) -> str:
     """What the end of a run prints, from its summary.json alone (the README's example is checked
     against a recorded one this way: tests/test_layout.py)."""
     start, end, consumed = summary["start"], summary["end"], summary["temperature_consumed"]
+    if "top1" in start:  # the aux model's MLM run
+        return "\n".join([
+            f"aux MLM run: {summary['steps']} steps on {summary['device']}, {summary['tokens_per_s']:.0f} tokens/s",
+            f"  validation (held-out rows, masked)  step {start['step']:>6}   step {end['step']:>6}",
+            *(f"    {label:<34}{start[key]:>11.4f}   {end[key]:>11.4f}" for label, key in
+              (("MLM loss", "loss"), ("top-1 accuracy", "top1"))),
+            f"  outputs: {summary['run_dir']}/metrics.jsonl, curves.png, summary.json, checkpoints/",
+        ])
     rows = [("RTD loss", "loss"), ("accuracy", "accuracy"), ("recall (replaced tokens)", "recall"),
             ("precision (replaced tokens)", "precision"), ("AUC", "auc")]
     return "\n".join([

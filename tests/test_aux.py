@@ -1,0 +1,178 @@
+"""The aux model's training job (`make aux`: the trainer's `mlm` objective, train/mlm.py, launched and
+published by auxiliary/mlm.py): exact resume after kill -9, ranks and accumulation, its own masks,
+chunked logits, the pre-flight check."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from common.checkpoint import AUX_FILE, safe_load
+from common.config import ConfigError, accumulation, dump_toml
+from common.curriculum import AUX_MLM_STREAM
+from common.plan import IndexPermutation
+from tests.conftest import ROOT
+from train.__main__ import KILL_AT_STEP_ENV
+
+
+def aux_manifest(built, tmp_path, name="aux.toml", **aux):
+    """The fixture's config with [aux] overrides, written as a manifest whose work_dir is under tmp_path."""
+    config = dataclasses.replace(built, work_dir=str(tmp_path / "work"),
+                                 aux=dataclasses.replace(built.aux, **aux))
+    path = tmp_path / name
+    path.write_text(dump_toml(config))
+    return path, config
+
+
+def run_aux(manifest, built, out, env, *extra):
+    cmd = [sys.executable, "-m", "auxiliary", "--manifest", str(manifest), "--corpus", str(built.corpus_dir),
+           "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def weights(out):
+    return safe_load(out / AUX_FILE)["state_dict"]
+
+
+@pytest.mark.slow
+def test_kill_9_during_make_aux_and_a_rerun_give_the_uninterrupted_aux_pt(built, tmp_path, env_with_repo):
+    manifest, _ = aux_manifest(built, tmp_path, steps=6, ckpt_every=2, log_every=1, eval_every=2)
+    full = run_aux(manifest, built, tmp_path / "full", env_with_repo)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = run_aux(manifest, built, tmp_path / "killed", {**env_with_repo, KILL_AT_STEP_ENV: "3"})
+    assert killed.returncode != 0 and "run `make aux` again to resume" in killed.stderr
+    assert not (tmp_path / "killed" / AUX_FILE).exists()  # nothing published from a run that did not finish
+    resumed = run_aux(manifest, built, tmp_path / "killed", env_with_repo)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step-00000002.pt" in resumed.stdout  # step 3 was lost, not 2
+    assert (tmp_path / "killed" / AUX_FILE).read_bytes() == (tmp_path / "full" / AUX_FILE).read_bytes()
+    (run,) = (tmp_path / "killed").glob("run-*")
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7)) and all("top1" in r for r in records)
+    assert "val_top1" in records[-1]
+    again = run_aux(manifest, built, tmp_path / "killed", env_with_repo)  # up to date: nothing retrained
+    assert again.returncode == 0 and "up to date" in again.stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_weights_of_one_rank_with_twice_the_accumulation(built, tmp_path, gloo_env):
+    """8 rows per update as 2 ranks x 2 micro-batches of 2 rows, and as 1 rank x 4 micro-batches of 2 rows
+    (dropout off): the same rows in each micro-batch, summed in another order. Measured: the largest
+    weight difference after 6 updates was 7.5e-9 (relative 7.9e-7); asserted within 1e-6."""
+    config = dataclasses.replace(built, model=dataclasses.replace(built.model, dropout=0.0))
+    values = json.loads(json.dumps(dataclasses.asdict(config)))
+    values["aux"].update(micro_batch=2, steps=6)
+    from common.config import config_from_dict
+    manifest = tmp_path / "aux.toml"
+    manifest.write_text(dump_toml(config_from_dict(values)))
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"n{nproc}"
+        result = run_aux(manifest, built, outs[nproc], gloo_env, "--nproc", str(nproc))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"(2 per micro-batch, {4 // nproc} accumulated)" in result.stdout
+    one, two = weights(outs[1]), weights(outs[2])
+    diffs = {k: float((one[k] - two[k]).abs().max()) for k in one}
+    assert max(diffs.values()) <= 1e-6, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+    assert any(not torch.equal(one[k], safe_load(built.aux_dir / AUX_FILE)["state_dict"][k]) for k in one)
+
+
+def test_the_aux_masks_are_never_the_generators_masks(built):
+    """The aux model trains on masks of a stream of its own: for a few rows, at every epoch, its masked
+    positions differ from those the generator (and fast-online, and ELECTRA) draws for that row."""
+    from common.corpus import SplitRows
+    from train.mlm import mlm_tensors
+    from train.objectives import masked_inputs
+    rows = SplitRows(built.corpus_dir, "train")
+    ids = np.arange(6)
+    originals = [rows[int(i)] for i in ids]
+    for epoch in range(4):
+        epochs = np.full(len(ids), epoch)
+        aux = mlm_tensors({"input_ids": originals, "row_id": ids, "epoch": epochs}, built.seed, 0.15)["masked_flags"]
+        generator = masked_inputs(originals, ids, epochs, built.seed, 0.15, aux.shape[1])["masked_flags"]
+        assert (aux.sum(1) == generator.sum(1)).all()  # the same exact count per row ...
+        for i in range(len(ids)):
+            assert not torch.equal(aux[i], generator[i]), (epoch, i)  # ... at other positions
+
+
+def test_the_aux_stream_reads_every_row_once_per_epoch_in_its_own_order(built):
+    from train.mlm import CorpusStream
+    stream = CorpusStream(built.corpus_dir, 0, built.seed)
+    n = stream.per_epoch
+    stream.num_rows = 2 * n + 3
+    whole = stream.rows(0, stream.num_rows)
+    assert sorted(whole["row_id"][:n]) == list(range(n)) and sorted(whole["row_id"][n:2 * n]) == list(range(n))
+    assert list(whole["epoch"][[0, n, 2 * n]]) == [0, 1, 2]
+    assert not np.array_equal(whole["row_id"][:n], whole["row_id"][n:2 * n])  # each epoch its own order
+    parts = [stream.rows(a, b)["row_id"] for a, b in ((0, 5), (5, n + 1), (n + 1, stream.num_rows))]
+    assert np.array_equal(np.concatenate(parts), whole["row_id"])  # any slicing: the same rows
+    from common.plan import epoch_order
+    assert not np.array_equal(whole["row_id"][:n], epoch_order(n, 0, n, built.seed))  # not the generator's order
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4099])
+def test_the_index_permutation_is_a_permutation(n):
+    order = IndexPermutation(n, [5, 0, AUX_MLM_STREAM])
+    values = order(np.arange(n))
+    assert sorted(values) == list(range(n))
+    assert np.array_equal(order(np.arange(n)[::-1]), values[::-1])  # index by index, any order
+    if n > 8:
+        assert not np.array_equal(values, IndexPermutation(n, [6, 0, AUX_MLM_STREAM])(np.arange(n)))
+
+
+def test_chunked_logits_give_the_loss_and_gradients_of_all_logits_at_once(built, monkeypatch):
+    """Logits at masked positions, a chunk at a time and recomputed in backward: the same loss and
+    gradients (within float32 summation order) as one pass over every masked position."""
+    import train.mlm as mlm
+    from common.corpus import SplitRows
+    rows = SplitRows(built.corpus_dir, "train")
+    batch = mlm.mlm_tensors({"input_ids": [rows[i] for i in range(8)], "row_id": np.arange(8),
+                             "epoch": np.zeros(8, int)}, built.seed, 0.15)
+    results = []
+    for entries in (2**26, 5 * built.tokenizer.vocab_size):  # one chunk; chunks of 5 positions
+        monkeypatch.setattr(mlm, "LOGIT_CHUNK_ENTRIES", entries)
+        torch.manual_seed(0)
+        model = mlm.MLMObjective(dataclasses.replace(built.model, dropout=0.0), built.tokenizer.vocab_size, 2)
+        loss, hits = model(*(batch[k] for k in mlm.MLM_INPUTS))
+        loss.backward()
+        results.append((loss.detach(), int(hits), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(batch["targets"]) > 10  # really several chunks
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-5)
+    assert results[0][1] == results[1][1]
+    for name, grad in results[0][2].items():
+        torch.testing.assert_close(grad, results[1][2][name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_micro_batch_that_does_not_fit_stops_make_aux_before_any_work(built, tmp_path, env_with_repo):
+    manifest, _ = aux_manifest(built, tmp_path)
+    env = {**env_with_repo, "FAST_ELECTRA_MEMORY_BYTES": str(300 * 2**20)}  # less than the process alone
+    result = run_aux(manifest, built, tmp_path / "out", env)
+    assert result.returncode == 2
+    assert "aux.micro_batch = 8 rows of 32 tokens needs about" in result.stderr
+    assert "FAST_ELECTRA_MEMORY_BYTES is 0.29 GiB" in result.stderr and "no micro-batch" in result.stderr
+    (run,) = (tmp_path / "out").glob("run-*")
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_the_preflight_names_the_largest_micro_batch_that_fits(built, monkeypatch):
+    from common.memory import estimate_peak_bytes, preflight
+    config = dataclasses.replace(built, train=dataclasses.replace(built.train, batch_size=64))
+    vocab = built.tokenizer.vocab_size
+    assert estimate_peak_bytes(config, vocab, 8) > estimate_peak_bytes(config, vocab, 4)  # grows with the micro-batch
+    room = (estimate_peak_bytes(config, vocab, 8) + estimate_peak_bytes(config, vocab, 16)) / 2
+    monkeypatch.setenv("FAST_ELECTRA_MEMORY_BYTES", str(int(room)))
+    assert preflight(config, vocab, 8, torch.device("cpu"), share=64) <= room
+    with pytest.raises(ConfigError, match=r"train\.micro_batch = 64 rows .* set train\.micro_batch = 8 "):
+        preflight(config, vocab, 64, torch.device("cpu"), share=64)
+
+
+def test_accumulation_is_derived_and_a_combination_that_does_not_divide_is_named():
+    assert accumulation(2048, 8, 32) == (32, 8)
+    assert accumulation(32, 2, 0) == (16, 1)
+    with pytest.raises(ConfigError, match="2048 over 8 rank.* 256 rows per rank, not a multiple of train.micro_batch 48"):
+        accumulation(2048, 8, 48)
+    with pytest.raises(ConfigError, match="aux.batch_size 10 is not divisible by the 4 ranks"):
+        accumulation(10, 4, 0, "aux")
