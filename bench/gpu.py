@@ -39,12 +39,12 @@ import torch.nn.functional as F
 
 from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
 from common.checkpoint import save_aux
-from common.config import load_manifest
+from common.config import GenerateConfig, load_manifest
 from common.corrupt import Corruptor
 from common.io import atomic_write_json, atomic_write_text
 from common.model import MaskedLM, ReplacedTokenDetector, relative_position_bucket
 from common.optim import build_optimizer, build_scheduler
-from common.plan import ShardTask
+from common.plan import plan_tasks
 from common.tokenizer import SPECIAL_IDS
 from generate.worker import ShardWriter
 
@@ -188,8 +188,8 @@ def measure_generation(config, rows_per_shard: int, shards: int) -> dict:
         aux_path = save_aux(aux, config.model, config.aux.num_layers, V, "synthetic", tmp, {"steps": 0})
         corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device="cuda")
         rows = synthetic_rows(rows_per_shard * (shards + 1), L, V, seed=1)
-        tasks = [ShardTask(0, i, "train", i * rows_per_shard, np.arange(i * rows_per_shard, (i + 1) * rows_per_shard),
-                           np.full(rows_per_shard, 1.5), f"shard-{i:04d}.parquet") for i in range(shards + 1)]
+        plan = GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0)
+        tasks = plan_tasks(len(rows), 0, plan, config.seed)  # one epoch of the synthetic rows, T from 2 down
         writer = ShardWriter({"train": rows}, corruptor, tmp, g.zstd_level)
         torch.cuda.reset_peak_memory_stats()
         writer(tasks[-1])  # warm-up (kernels, allocator), not timed

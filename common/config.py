@@ -154,6 +154,9 @@ class GenerateConfig:
     """Rows per epoch: 0 = the whole training split; N = a seeded sample of N rows."""
     rows_per_shard: int = 512
     """Rows per Parquet shard (the unit of work and of resume)."""
+    rows_per_row_group: int = 0
+    """Rows per Parquet row group (0 = the whole shard): the unit a trainer rank reads, decompresses and
+    checks. A divisor of a rank's share of the batch means each rank reads only its own rows."""
     batch_tokens: int = 8192
     """Token budget of one aux forward batch (rows are grouped by length)."""
     mask_prob: float = 0.15
@@ -190,8 +193,8 @@ class GenerateConfig:
     def __post_init__(self):
         if self.epochs < 0:
             raise ConfigError(f"generate.epochs must be >= 0, got {self.epochs}")
-        if self.rows_per_epoch < 0 or self.rows_per_shard < 1 or self.batch_tokens < 1:
-            raise ConfigError("generate.rows_per_epoch >= 0, rows_per_shard >= 1, batch_tokens >= 1")
+        if self.rows_per_epoch < 0 or self.rows_per_shard < 1 or self.batch_tokens < 1 or self.rows_per_row_group < 0:
+            raise ConfigError("generate.rows_per_epoch >= 0, rows_per_shard >= 1, batch_tokens >= 1, rows_per_row_group >= 0")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"generate.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not (1.0 <= self.t0 < math.inf and 0.0 < self.tau < math.inf):
@@ -274,9 +277,10 @@ class TrainConfig:
     """Checkpoint every N updates (and at the end)."""
     keep_checkpoints: int = 3
     """Keep the newest K checkpoints."""
-    verify_shards: bool = True
-    """Check every shard's sha256 before the first update (in parallel with start-up); false: each shard
-    when first read, for streams too large to hash up front (damage then surfaces mid-run)."""
+    verify_shards: bool = False
+    """Also hash this rank's share of the shards against the manifest before the first update. Without it
+    (the default) what a rank reads is checked as it is read: every Parquet page carries a CRC32, so a
+    damaged row group stops the run naming its shard before the update that would use it."""
     allow_short_stream: bool = False
     """Train on a stream shorter than max_steps x batch_size rows (fewer steps) instead of refusing it."""
     max_nonfinite_steps: int = 5

@@ -20,19 +20,55 @@ from common.config import ConfigError, GenerateConfig, RunConfig
 from common.curriculum import GENERATOR_STREAM, VALID_EPOCH, row_fraction, strength_at
 
 
-@dataclass
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a task needs to derive its rows: the split's size, the plan and the [generate] settings."""
+    num_rows: int
+    """Rows of the corpus split the epochs permute (the training split; the held-out one for validation)."""
+    rows_per_epoch: int
+    total_rows: int
+    epochs: int
+    seed: int
+    cfg: GenerateConfig
+
+
+@dataclass(frozen=True)
 class ShardTask:
-    """One unit of work: rows `row_ids` of the corpus split, at stream positions
-    `stream_start ...`, written to `path` (relative to the output folder). `gammas`: each row's
-    curriculum strength (appendix C); None for the aux model at `temperatures` alone."""
+    """One unit of work: `count` rows of the corpus split from position `first` of epoch `epoch`'s
+    order, at stream positions `stream_start ...`, written to `path` (relative to the output folder).
+    Nothing per row is stored: `row_ids`, `temperatures` and `gammas` are derived from the seeded
+    permutation and the schedule when asked for (by the actor that writes the shard), so the driver's
+    plan costs the same for a stream of 10^5 rows as for 10^9."""
     epoch: int
     shard_index: int
     split: str
     stream_start: int
-    row_ids: np.ndarray
-    temperatures: np.ndarray
+    first: int
+    count: int
     path: str
-    gammas: np.ndarray | None = None
+    spec: StreamSpec
+
+    @property
+    def row_ids(self) -> np.ndarray:
+        positions = np.arange(self.first, self.first + self.count, dtype=np.int64)
+        if self.split == "valid":
+            return positions  # the first held-out rows, in order
+        return epoch_order(self.spec.num_rows, self.epoch, self.spec.seed)(positions)
+
+    def curriculum(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(temperatures, gammas) of the task's rows (`epoch_curriculum`); validation: T = 1, no gammas."""
+        if self.split == "valid":
+            return np.ones(self.count), None
+        stream = self.stream_start + np.arange(self.count, dtype=np.int64)
+        return epoch_curriculum(self.spec.cfg, self.epoch, stream, self.spec.total_rows, self.spec.epochs)
+
+    @property
+    def temperatures(self) -> np.ndarray:
+        return self.curriculum()[0]
+
+    @property
+    def gammas(self) -> np.ndarray | None:
+        return self.curriculum()[1]
 
 
 def rows_per_epoch(num_train_rows: int, cfg: GenerateConfig) -> int:
@@ -63,11 +99,18 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
     return StreamPlan(per_epoch, math.ceil(budget / per_epoch), budget)
 
 
-def epoch_order(num_train_rows: int, epoch: int, num_rows: int, seed: int, stream: int = GENERATOR_STREAM) -> np.ndarray:
-    """The corpus rows of `epoch` in stream order: a seeded permutation, cut to `num_rows`. `stream`: the
-    aux model's MLM training (`AUX_MLM_STREAM`) reads the corpus in an order of its own."""
-    key = [seed, epoch, stream, 0xE90C] if stream else [seed, epoch, 0xE90C]
-    return np.random.default_rng(key).permutation(num_train_rows)[:num_rows]
+# How an epoch's order is drawn: "feistel-1" = `IndexPermutation` (before: a numpy permutation of the whole
+# split, generation keys without this entry). Part of the generation key: shards drawn one way are never
+# taken for shards drawn the other.
+ORDER_VERSION = "feistel-1"
+
+
+def epoch_order(num_train_rows: int, epoch: int, seed: int, stream: int = GENERATOR_STREAM) -> "IndexPermutation":
+    """The corpus rows of `epoch` in stream order, as a function of the position in the epoch: a seeded
+    permutation evaluated index by index (position p of the epoch reads row `order(p)`; a sampled epoch,
+    generate.rows_per_epoch = N, is its first N positions). `stream`: the aux model's MLM training
+    (`AUX_MLM_STREAM`) reads the corpus in an order of its own."""
+    return IndexPermutation(num_train_rows, [seed, epoch, stream, 0xE90C] if stream else [seed, epoch, 0xE90C])
 
 
 class IndexPermutation:
@@ -169,24 +212,25 @@ def plan_tasks(num_train_rows: int, num_valid_rows: int, cfg: GenerateConfig, se
     """Validation shard first (the aux model at T = 1 whatever the curriculum, so every variant is
     scored on the same rows), then every epoch's shards in stream order. `total_rows`: the stream's
     length (`stream_plan`; 0 = generate.epochs whole epochs); a last partial epoch takes the first
-    rows of its permutation."""
+    positions of its permutation. A task is a few integers (`ShardTask`): the plan's memory grows
+    with the number of shards, not of rows."""
     per_epoch = rows_per_epoch(num_train_rows, cfg)
     total = total_rows or cfg.epochs * per_epoch
     epochs = math.ceil(total / per_epoch)
     valid_count = min(cfg.valid_rows, num_valid_rows) if cfg.valid_rows else num_valid_rows
+    train_spec = StreamSpec(num_train_rows, per_epoch, total, epochs, seed, cfg)
+    valid_spec = StreamSpec(num_valid_rows, valid_count, valid_count, 1, seed, cfg)
     tasks = []
     for shard, start in enumerate(range(0, valid_count, cfg.rows_per_shard)):
-        ids = np.arange(start, min(start + cfg.rows_per_shard, valid_count))
-        tasks.append(ShardTask(VALID_EPOCH, shard, "valid", start, ids, np.ones(len(ids)),
-                               f"valid/shard-{shard:05d}.parquet"))
+        count = min(cfg.rows_per_shard, valid_count - start)
+        tasks.append(ShardTask(VALID_EPOCH, shard, "valid", start, start, count, f"valid/shard-{shard:05d}.parquet",
+                               valid_spec))
     for epoch in range(epochs):
-        order = epoch_order(num_train_rows, epoch, min(per_epoch, total - epoch * per_epoch), seed)
-        for shard, start in enumerate(range(0, len(order), cfg.rows_per_shard)):
-            ids = order[start:start + cfg.rows_per_shard]
-            stream = epoch * per_epoch + start + np.arange(len(ids))
-            temperatures, gammas = epoch_curriculum(cfg, epoch, stream, total, epochs)
-            tasks.append(ShardTask(epoch, shard, "train", int(stream[0]), ids, temperatures,
-                                   f"epoch-{epoch:03d}/shard-{shard:05d}.parquet", gammas))
+        rows = min(per_epoch, total - epoch * per_epoch)
+        for shard, start in enumerate(range(0, rows, cfg.rows_per_shard)):
+            count = min(cfg.rows_per_shard, rows - start)
+            tasks.append(ShardTask(epoch, shard, "train", epoch * per_epoch + start, start, count,
+                                   f"epoch-{epoch:03d}/shard-{shard:05d}.parquet", train_spec))
     return tasks
 
 
@@ -197,5 +241,6 @@ def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256
     del generate["tasks_in_flight"]  # scheduling only: the bytes do not depend on it (test_generate_resume)
     parts = {split: [p["sha256"] for p in corpus_meta[split]["parts"]] for split in ("train", "valid")}
     blob = {"seed": seed, "generate": generate, "tokenizer": corpus_meta["tokenizer_sha256"],
-            "corpus_parts": parts, "aux": aux_sha256, "total_rows": total_rows}
+            "corpus_parts": parts, "aux": aux_sha256, "total_rows": total_rows,
+            "order": ORDER_VERSION}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()

@@ -52,13 +52,25 @@ SHARD_ENCODING = {"stream_index": "DELTA_BINARY_PACKED", "temperature": "BYTE_ST
 
 
 def write_parquet(path: str | Path, columns: dict, schema: pa.Schema, column_encoding: dict | None = None,
-                  compression_level: int | None = None) -> dict:
-    """Write `columns` with `schema` atomically; returns bytes and sha256 of the file."""
+                  compression_level: int | None = None, row_group_rows: int = 0) -> dict:
+    """Write `columns` with `schema` atomically, in row groups of `row_group_rows` rows (0: one), every
+    page with a CRC32 (`read_row_group` checks them); returns bytes and sha256 of the file."""
     table = pa.Table.from_pydict(columns, schema=schema)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd", compression_level=compression_level, use_dictionary=False,
-                       column_encoding=column_encoding, write_statistics=False, store_schema=True)
+                       column_encoding=column_encoding, write_statistics=False, store_schema=True,
+                       row_group_size=row_group_rows or max(1, table.num_rows), write_page_checksum=True)
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+def open_parquet(path: str | Path, schema: pa.Schema) -> pq.ParquetFile:
+    """A Parquet file whose pages are checked against their CRC32 when read; its schema must be `schema`."""
+    file = pq.ParquetFile(path, page_checksum_verification=True)
+    got = {f.name: f.type for f in file.schema_arrow}
+    want = {f.name: f.type for f in schema}
+    if got != want:
+        raise ValueError(f"{path}: schema {got} differs from the expected {want}")
+    return file
 
 
 def read_parquet(path: str | Path, schema: pa.Schema) -> pa.Table:

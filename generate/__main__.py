@@ -1,7 +1,7 @@
 """`make generate-epochs`: the Ray job that writes each epoch's corrupted rows and labels as
 Parquet shards (`generate/generator.py`).
 
-    python -m generate --manifest PATH --out DIR [--workers N] [--address ADDR] [--force]
+    python -m generate --manifest PATH --out DIR [--workers N] [--address ADDR] [--force] [--verify]
                        [--corpus DIR] [--aux PATH] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=None, help="actors (default: one per GPU, else per core)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="join this Ray cluster")
     parser.add_argument("--force", action="store_true", help="replace an output folder of another generation")
+    parser.add_argument("--verify", action="store_true",
+                        help="hash every shard, even those unchanged (size, time) since they were last hashed")
     parser.add_argument("--corpus", default=None, help="corpus folder (default: WORK_DIR/corpus)")
     parser.add_argument("--aux", default=None, help="auxiliary model (default: WORK_DIR/aux/aux.pt)")
     args = parser.parse_args(argv)
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
         out = Path(args.out) if args.out else config.epochs_dir
         corpus = Path(args.corpus) if args.corpus else config.corpus_dir
         aux = Path(args.aux) if args.aux else config.aux_dir / AUX_FILE
-        generate(config, out, corpus, aux, workers, args.address, args.force)
+        generate(config, out, corpus, aux, workers, args.address, args.force, verify=args.verify)
     except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,12 +67,35 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     return {"corpus": corpus, "aux": aux, "key": key, "plan": plan}
 
 
-def verified(record: dict | None, out_dir: Path) -> bool:
-    """A finished shard is trusted only if its size and sha256 match its record."""
+VERIFIED_FILE = "verified.json"
+
+
+def file_stamp(path: Path) -> list[int]:
+    """What a file's verification is keyed by: its size and modification time (ns)."""
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def verified(record: dict | None, out_dir: Path, stamps: dict | None = None) -> bool:
+    """A finished shard is trusted only if its size and sha256 match its record. `stamps`: the size and
+    modification time each shard had when its sha256 was last checked (verified.json); a shard whose
+    stamp is unchanged is trusted without reading it again, any other is hashed."""
     if not record:
         return False
     path = out_dir / record["path"]
-    return path.is_file() and path.stat().st_size == record["bytes"] and sha256_file(path) == record["sha256"]
+    if not path.is_file() or path.stat().st_size != record["bytes"]:
+        return False
+    if stamps is not None and stamps.get(record["path"]) == [record["sha256"], *file_stamp(path)]:
+        return True
+    return sha256_file(path) == record["sha256"]
+
+
+def read_stamps(out_dir: Path) -> dict:
+    path = out_dir / VERIFIED_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}  # a torn record: everything is hashed again
 
 
 def summarize_epochs(records: list[dict], tasks, curriculum: dict | None = None) -> tuple[list[dict], dict]:
@@ -108,15 +131,16 @@ def summarize_epochs(records: list[dict], tasks, curriculum: dict | None = None)
 
 
 def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path, workers: int,
-             address: str | None = None, force: bool = False, log=print) -> dict:
+             address: str | None = None, force: bool = False, log=print, verify: bool = False) -> dict:
     """Check inputs, run the missing shards on Ray, write manifest.json last. Returns the manifest.
-    One writer per output folder (a lock beside it)."""
+    One writer per output folder (a lock beside it). A shard whose size and modification time are those
+    recorded when it was last hashed (verified.json) is not read again unless `verify`."""
     with FolderLock(out_dir, "python -m generate"):
-        return _generate(config, out_dir, corpus_dir, aux_path, workers, address, force, log)
+        return _generate(config, out_dir, corpus_dir, aux_path, workers, address, force, log, verify)
 
 
 def _generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path, workers: int,
-              address: str | None, force: bool, log) -> dict:
+              address: str | None, force: bool, log, verify: bool = False) -> dict:
     checked = check_inputs(config, corpus_dir, aux_path, out_dir, force)
     corpus, plan = checked["corpus"], checked["plan"]
     tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed, plan.total_rows)
@@ -131,12 +155,16 @@ def _generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path
     from generate.job import actor_device, read_progress, run_tasks
     known = read_progress(out_dir)  # holds the same sizes and hashes as manifest.json
     manifest_path = out_dir / MANIFEST_FILE
-    done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir)}
+    stamps = None if verify else read_stamps(out_dir)
+    done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir, stamps)}
+    # what was hashed now (or written before) keeps its stamp: the next start reads none of it
+    atomic_write_json(out_dir / VERIFIED_FILE, {p: [r["sha256"], *file_stamp(out_dir / p)] for p, r in done.items()})
     for path in sorted(set(known) & {t.path for t in tasks} - set(done)):
         log(f"generate: {out_dir / path} is missing or damaged (size or sha256 differ from its record); redoing it")
     todo = [t for t in tasks if t.path not in done]
     if manifest_path.is_file() and not todo:
-        log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards)")
+        how = "every shard hashed" if verify else f"sizes and times as when last hashed; --verify hashes every shard"
+        log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards; {how})")
         return json.loads(manifest_path.read_text())
     if todo:
         # Shards of one folder come from one kind of device: the aux model runs in bf16 autocast on GPU and
@@ -156,12 +184,16 @@ def _generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path
     t0 = time.time()
     actor_args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()),
                   "out_dir": str(out_dir.resolve()), "seed": config.seed, "mask_prob": config.generate.mask_prob,
-                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker, "zstd_level": config.generate.zstd_level,
+                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker,
+                  "zstd_level": config.generate.zstd_level, "row_group_rows": config.generate.rows_per_row_group,
                   "curriculum": {"distribution": config.generate.distribution, "augmentation": config.generate.augmentation,
                                  "soh_alpha": config.generate.soh_alpha}}
     records = run_tasks(todo, workers, actor_args, out_dir, address, config.generate.tasks_in_flight) if todo else []
     seconds = time.time() - t0
     all_records = list(done.values()) + records
+    # a shard written by this run was hashed as it was written (its record): stamp it now
+    atomic_write_json(out_dir / VERIFIED_FILE, {r["path"]: [r["sha256"], *file_stamp(out_dir / r["path"])]
+                                                for r in all_records})
     epochs, valid = summarize_epochs(all_records, tasks, curriculum_record(config.generate))
     manifest = {
         "format_version": FORMAT_VERSION,

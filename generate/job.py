@@ -32,7 +32,8 @@ SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard,
 @ray.remote
 class ShardActor:
     def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
-                 batch_tokens: int, threads: int, zstd_level: int, curriculum: dict | None = None):
+                 batch_tokens: int, threads: int, zstd_level: int, curriculum: dict | None = None,
+                 row_group_rows: int = 0):
         from common.corpus import SplitRows, term_counts
         from common.corrupt import Corruptor, needs_term_counts
         from generate.worker import ShardWriter
@@ -43,7 +44,7 @@ class ShardActor:
             curriculum["term_counts"] = term_counts(corpus_dir)  # stored beside the corpus by the driver
         corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device, **curriculum)
         rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # memory-mapped
-        self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level)
+        self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level, row_group_rows)
         self.device = device
         self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time
 

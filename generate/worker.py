@@ -21,11 +21,13 @@ class ShardWriter:
     """Holds the corpus rows (anything indexable by row id: a list, or the memory-mapped
     `common.corpus.SplitRows`) and a Corruptor; turns a ShardTask into a Parquet file."""
 
-    def __init__(self, corpus_rows: dict, corruptor: Corruptor, out_dir: str | Path, zstd_level: int = 19):
+    def __init__(self, corpus_rows: dict, corruptor: Corruptor, out_dir: str | Path, zstd_level: int = 19,
+                 row_group_rows: int = 0):
         self.rows = corpus_rows
         self.corruptor = corruptor
         self.out_dir = Path(out_dir)
         self.zstd_level = zstd_level
+        self.row_group_rows = row_group_rows
 
     def __call__(self, task: ShardTask, device_lock=None) -> dict:
         """Read, corrupt and write one shard. With `device_lock` (a GPU actor running two tasks at once),
@@ -33,26 +35,28 @@ class ShardWriter:
         overlap with the other shard's model work."""
         t0 = time.time()
         source = self.rows[task.split]
-        rows = [source[i] for i in task.row_ids]
-        prepared = self.corruptor.prepare(rows, task.row_ids, task.epoch, task.gammas)
+        row_ids, (temperatures, gammas) = task.row_ids, task.curriculum()  # derived here, not held by the driver
+        rows = [source[i] for i in row_ids]
+        prepared = self.corruptor.prepare(rows, row_ids, task.epoch, gammas)
         with device_lock or contextlib.nullcontext():
-            out = self.corruptor(rows, task.row_ids, task.epoch, task.temperatures, task.gammas, prepared)
+            out = self.corruptor(rows, row_ids, task.epoch, temperatures, gammas, prepared)
         num = len(rows)
         columns = {
             "stream_index": pa.array(np.arange(task.stream_start, task.stream_start + num, dtype=np.int64)),
-            "row_id": pa.array(np.asarray(task.row_ids, dtype=np.int64)),
-            "temperature": pa.array(task.temperatures.astype(np.float32)),
+            "row_id": pa.array(np.asarray(row_ids, dtype=np.int64)),
+            "temperature": pa.array(temperatures.astype(np.float32)),
             "input_ids": int_lists(out["input_ids"], pa.int32()),
             "labels": int_lists(out["labels"], pa.bool_()),
         }
-        info = write_parquet(self.out_dir / task.path, columns, SHARD_SCHEMA, SHARD_ENCODING, self.zstd_level)
+        info = write_parquet(self.out_dir / task.path, columns, SHARD_SCHEMA, SHARD_ENCODING, self.zstd_level,
+                             self.row_group_rows)
         tokens = int(sum(len(r) for r in rows))
         return {
             "path": task.path, "epoch": task.epoch, "shard_index": task.shard_index,
             "rows": num, "tokens": tokens, **info,
             "stream_start": task.stream_start,
-            "temperature_min": float(task.temperatures.min()), "temperature_max": float(task.temperatures.max()),
-            **({} if task.gammas is None else {"gamma_min": float(task.gammas.min()), "gamma_max": float(task.gammas.max())}),
+            "temperature_min": float(temperatures.min()), "temperature_max": float(temperatures.max()),
+            **({} if gammas is None else {"gamma_min": float(gammas.min()), "gamma_max": float(gammas.max())}),
             "masked": out["masked"], "replaced": out["replaced"], "aux_top1": out["aux_top1"],
             "seconds": time.time() - t0, "started_at": t0, "finished_at": time.time(),
         }

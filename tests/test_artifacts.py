@@ -58,7 +58,8 @@ def test_a_trainer_on_a_locked_run_folder_stops_with_exit_code_2(generated, tmp_
 
 
 @pytest.mark.slow
-def test_a_damaged_shard_of_the_last_epoch_stops_the_trainer_before_step_1(generated, tmp_path, env_with_repo):
+def test_with_verify_shards_a_damaged_shard_of_the_last_epoch_stops_the_trainer_before_step_1(generated, tmp_path,
+                                                                                             env_with_repo):
     manifest, data, _ = generated
     copy = tmp_path / "epochs"
     shutil.copytree(data, copy)
@@ -67,8 +68,8 @@ def test_a_damaged_shard_of_the_last_epoch_stops_the_trainer_before_step_1(gener
     raw[len(raw) // 2] ^= 0xFF  # same size, other bytes
     (copy / last).write_bytes(bytes(raw))
     result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(copy),
-                             "--out", str(tmp_path / "run")], cwd=ROOT, env=env_with_repo, capture_output=True,
-                            text=True, timeout=300)
+                             "--out", str(tmp_path / "run"), "--set", "train.verify_shards=true"],
+                            cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "found before the first update" in errors[0] and last in errors[0]
@@ -155,4 +156,52 @@ def test_with_two_ranks_a_ranks_error_ends_the_command_with_its_exit_code(genera
                              "train", "--manifest", str(manifest), "--data", str(copy), "--out", str(tmp_path / "run")],
                             cwd=ROOT, env=gloo_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "error: damaged shards" in result.stderr and "Traceback" not in result.stderr
+    assert f"{last}: row group 0" in result.stderr and "is damaged" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def flip_inside_row_group(path, group: int = 0, column: str = "input_ids") -> None:
+    """Flip one byte in the middle of a row group's column chunk: page data, covered by the page's CRC32."""
+    import pyarrow.parquet as pq
+    chunk = next(c for c in (pq.ParquetFile(path).metadata.row_group(group).column(i) for i in range(5))
+                 if c.path_in_schema.startswith(column))
+    raw = bytearray(path.read_bytes())
+    raw[chunk.data_page_offset + chunk.total_compressed_size // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+def test_a_damaged_row_group_stops_the_trainer_where_it_is_read_and_a_regenerated_shard_resumes(
+        generated, tmp_path, env_with_repo):
+    """The default: nothing is hashed up front; a byte flipped in a shard of the first epoch stops the run
+    when the step that reads it comes (after the checkpoints before it), naming the shard; the generator
+    finds and redoes that shard (its time changed since it was hashed), and --resume ends the run with the
+    losses of an undamaged one."""
+    manifest, data, _ = generated
+    copy = tmp_path / "epochs"
+    shutil.copytree(data, copy)
+    shard = json.loads((copy / "manifest.json").read_text())["epochs"][0]["shards"][2]  # rows 80..119: steps 10..14
+    flip_inside_row_group(copy / shard["path"])
+    train = [sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(copy), "--out"]
+    result = subprocess.run(train + [str(tmp_path / "run")], cwd=ROOT, env=env_with_repo, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{shard['path']}: row group 0 (rows 80..119 of the stream) is damaged" in errors[0]
+    steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))  # step 10 read rows 72..79; step 11 would have read the damaged group
+    regenerate = subprocess.run([sys.executable, "-m", "generate", "--manifest", str(manifest), "--out", str(copy),
+                                 "--workers", "1"], cwd=ROOT, env=env_with_repo, capture_output=True, text=True,
+                                timeout=300)
+    assert regenerate.returncode == 0, regenerate.stderr[-2000:]
+    assert "1 to run" in regenerate.stdout and "redoing it" in regenerate.stdout
+    resumed = subprocess.run(train + [str(tmp_path / "run"), "--resume"], cwd=ROOT, env=env_with_repo,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    clean = subprocess.run(train + [str(tmp_path / "clean")], cwd=ROOT, env=env_with_repo, capture_output=True,
+                           text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    losses = [[json.loads(l)["loss"] for l in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+              for r in ("run", "clean")]
+    assert losses[0] == losses[1]

@@ -1,8 +1,10 @@
 """Reading the generator's shards in manifest order (docs/design.md, trainer contract).
 
 Global batch b at step s is rows [s*b, (s+1)*b) of the stream; rank r of W takes
-its contiguous slice. Every shard is checked against the manifest (size at start,
-sha256 when first opened) before a row of it is used.
+its contiguous slice, and reads, decompresses and checks only the Parquet row groups
+that hold it. Every shard's size is checked against the manifest at start; every page
+it reads against its CRC32 (written by the generator), with the row count and stream
+positions of each row group, before a row of it is used.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs
 from common.config import RunConfig
 from common.io import sha256_file
-from common.shards import MANIFEST_FILE, SHARD_SCHEMA, data_fingerprint, list_column, read_parquet
+from common.shards import MANIFEST_FILE, SHARD_SCHEMA, data_fingerprint, list_column, open_parquet
 
 
 
@@ -71,7 +73,11 @@ class Shard:
 
 
 class ShardStream:
-    """Random access to rows [start, stop) of a stream of shards, two shards cached."""
+    """Random access to rows [start, stop) of a stream of shards, read a row group at a time (the few
+    last ones cached). `bytes_read` / `bytes_decompressed`: what this stream has read from disk (column
+    chunks and footers) and decompressed, for the per-rank reading benchmark."""
+
+    CACHED_ROW_GROUPS = 4
 
     def __init__(self, data_dir: str | Path, shard_records: list[dict]):
         self.shards, position = [], 0
@@ -86,42 +92,64 @@ class ShardStream:
         if problems:
             raise DataError("shards do not match the manifest: " + "; ".join(problems[:5]))
         self._starts = [s.start for s in self.shards]
-        self._cache: OrderedDict[int, dict] = OrderedDict()
-        self._verified: set[int] = set()
+        self._files: OrderedDict[int, tuple] = OrderedDict()  # shard -> (ParquetFile, row group starts)
+        self._cache: OrderedDict[tuple, dict] = OrderedDict()
+        self.bytes_read, self.bytes_decompressed = 0, 0
 
     def verify(self, rank: int = 0, world: int = 1, threads: int = 4) -> list[str]:
         """sha256 of every `world`-th shard from `rank` on, against the manifest, in threads (hashing
-        releases the GIL); returns the problems found. A verified shard is not hashed again on load."""
+        releases the GIL); returns the problems found (`train.verify_shards`)."""
         mine = list(range(rank, len(self.shards), world))
         with ThreadPoolExecutor(max_workers=threads) as pool:
             digests = list(pool.map(lambda k: sha256_file(self.shards[k].path), mine))
-        problems = []
-        for k, digest in zip(mine, digests):
-            if digest == self.shards[k].sha256:
-                self._verified.add(k)
-            else:
-                problems.append(f"{self.shards[k].path} has sha256 {digest[:12]}, the manifest says "
-                                f"{self.shards[k].sha256[:12]}")
-        return problems
+        return [f"{self.shards[k].path} has sha256 {digest[:12]}, the manifest says {self.shards[k].sha256[:12]}"
+                for k, digest in zip(mine, digests) if digest != self.shards[k].sha256]
 
-    def _load(self, k: int) -> dict:
-        if k in self._cache:
-            self._cache.move_to_end(k)
-            return self._cache[k]
+    def _file(self, k: int) -> tuple:
+        """Shard k's open file and the first row of each of its row groups (its footer read once)."""
+        if k in self._files:
+            self._files.move_to_end(k)
+            return self._files[k]
         shard = self.shards[k]
-        if k not in self._verified:
-            digest = sha256_file(shard.path)
-            if digest != shard.sha256:
-                raise DataError(f"{shard.path} has sha256 {digest[:12]}, the manifest says {shard.sha256[:12]}")
-            self._verified.add(k)
-        table = read_parquet(shard.path, SHARD_SCHEMA)
+        try:
+            file = open_parquet(shard.path, SHARD_SCHEMA)
+        except Exception as e:  # noqa: BLE001 - any unreadable footer or schema is damage
+            raise DataError(f"{shard.path} is damaged: {type(e).__name__}: {e}; run `make generate-epochs` "
+                            f"(it redoes damaged shards), then train with --resume") from None
+        meta = file.metadata
+        counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        if sum(counts) != shard.rows:
+            raise DataError(f"{shard.path} holds {sum(counts)} rows, the manifest says {shard.rows}")
+        self.bytes_read += meta.serialized_size + 8  # the footer and its length and magic
+        self._files[k] = (file, np.concatenate([[0], np.cumsum(counts)]))
+        while len(self._files) > 2:
+            self._files.popitem(last=False)
+        return self._files[k]
+
+    def _row_group(self, k: int, g: int) -> dict:
+        key = (k, g)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        shard = self.shards[k]
+        file, starts = self._file(k)
+        try:
+            table = file.read_row_group(g)
+        except Exception as e:  # noqa: BLE001 - a page whose CRC32 or encoding is wrong
+            raise DataError(f"{shard.path}: row group {g} (rows {shard.start + starts[g]}..{shard.start + starts[g + 1] - 1} "
+                            f"of the stream) is damaged: {type(e).__name__}: {e}; run `make generate-epochs` (it "
+                            f"redoes damaged shards), then train with --resume") from None
+        group = file.metadata.row_group(g)
+        self.bytes_read += sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+        self.bytes_decompressed += group.total_byte_size
         data = {"input_ids": list_column(table, "input_ids"), "labels": list_column(table, "labels"),
                 "temperature": table.column("temperature").to_numpy(),
                 "stream_index": table.column("stream_index").to_numpy()}
-        if len(data["input_ids"]) != shard.rows or (shard.rows and data["stream_index"][0] != shard.start):
-            raise DataError(f"{shard.path}: rows or stream position differ from the manifest")
-        self._cache[k] = data
-        while len(self._cache) > 2:
+        expected = shard.start + starts[g] + np.arange(table.num_rows)
+        if table.num_rows != starts[g + 1] - starts[g] or not np.array_equal(data["stream_index"], expected):
+            raise DataError(f"{shard.path}: row group {g}: rows or stream positions differ from the manifest")
+        self._cache[key] = data
+        while len(self._cache) > self.CACHED_ROW_GROUPS:
             self._cache.popitem(last=False)
         return data
 
@@ -132,11 +160,15 @@ class ShardStream:
         position = start
         while position < stop:
             k = bisect.bisect_right(self._starts, position) - 1
-            shard, data = self.shards[k], self._load(k)
-            lo, hi = position - shard.start, min(stop, shard.start + shard.rows) - shard.start
+            shard = self.shards[k]
+            _, starts = self._file(k)
+            g = int(np.searchsorted(starts, position - shard.start, side="right")) - 1
+            data = self._row_group(k, g)
+            first = shard.start + int(starts[g])
+            lo, hi = position - first, min(stop, shard.start + int(starts[g + 1])) - first
             for key in out:
                 out[key].extend(data[key][lo:hi])
-            position = shard.start + hi
+            position = first + hi
         out["temperature"] = np.asarray(out["temperature"], dtype=np.float32)
         out["stream_index"] = np.asarray(out["stream_index"], dtype=np.int64)
         return out

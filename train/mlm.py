@@ -2,7 +2,7 @@
 "an existing model from a previous training round"; section 4.1: MLM, lr 5e-4).
 
 The stream is `max_steps x batch_size` rows of the corpus's training split, epoch after epoch,
-each epoch a seeded permutation in an order of the aux model's own (`common.plan.IndexPermutation`:
+each epoch a seeded permutation in an order of the aux model's own (`common.plan.epoch_order`:
 nothing the size of the corpus is held). Row r of epoch e is masked from the aux stream
 (`common.curriculum.AUX_MLM_STREAM`), which never coincides with the masks the generator later
 writes for that row. Masked positions always get [MASK], the input the generator feeds the model.
@@ -27,7 +27,7 @@ from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import AUX_MLM_STREAM, VALID_EPOCH
 from common.memory import LOGIT_CHUNK_ENTRIES  # 2^26 fp32 logits (256 MiB): 524 positions at 128K entries
 from common.model import MaskedLM
-from common.plan import IndexPermutation
+from common.plan import epoch_order
 from train.objectives import MLM_INPUTS, masked_inputs
 
 
@@ -49,7 +49,7 @@ class CorpusStream:
         row_ids = np.empty_like(stream)
         for epoch in np.unique(epochs):
             at = epochs == epoch
-            order = IndexPermutation(self.per_epoch, [self.seed, int(epoch), AUX_MLM_STREAM])
+            order = epoch_order(self.per_epoch, int(epoch), self.seed, AUX_MLM_STREAM)
             row_ids[at] = order(stream[at] - epoch * self.per_epoch)
         return {"input_ids": [self.corpus[int(i)] for i in row_ids], "row_id": row_ids, "epoch": epochs,
                 "stream_index": stream}

@@ -35,13 +35,9 @@ class OnlineStream:
         self.per_epoch, self.num_epochs, self.num_rows = plan.rows_per_epoch, plan.epochs, plan.total_rows
         self.corpus = SplitRows(corpus_dir, "train")
         self.corruptor = corruptor
-        self._orders: dict[int, np.ndarray] = {}
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            rows = min(self.per_epoch, self.num_rows - epoch * self.per_epoch)  # the last epoch may be partial
-            self._orders = {epoch: epoch_order(self.num_train, epoch, rows, self.seed)}
-        return self._orders[epoch]
+    def _order(self, epoch: int):
+        return epoch_order(self.num_train, epoch, self.seed)
 
     def rows(self, start: int, stop: int) -> dict:
         assert 0 <= start <= stop <= self.num_rows, (start, stop, self.num_rows)
@@ -53,7 +49,7 @@ class OnlineStream:
             epoch = position // self.per_epoch
             end = min(stop, (epoch + 1) * self.per_epoch)
             stream = np.arange(position, end, dtype=np.int64)
-            row_ids = self._order(epoch)[stream - epoch * self.per_epoch]
+            row_ids = self._order(epoch)(stream - epoch * self.per_epoch)
             temperatures, gammas = epoch_curriculum(self.cfg, epoch, stream, self.num_rows, self.num_epochs)
             originals = [self.corpus[int(i)] for i in row_ids]
             if self.corruptor is None:

@@ -190,7 +190,8 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     stream, valid, vocab_size, prior, manifest_hash, data_desc, tokenizer_sha256 = open_streams(config, args, device)
     # Before any work: refuse a micro-batch whose estimated peak memory exceeds the device's.
     preflight(config, vocab_size, micro, device, what="aux" if mlm else "train", share=tc.batch_size // world)
-    # Every shard's sha256, while the model is built and the step-0 evaluation runs (fast-offline).
+    # train.verify_shards: this rank's shards' sha256 too, while the model is built and the step-0 evaluation
+    # runs (fast-offline); without it every page read is checked against its CRC32 as it is read.
     checking = ThreadPoolExecutor(max_workers=1).submit(stream.verify, rank, world) \
         if tc.verify_shards and hasattr(stream, "verify") else None
     needed = tc.max_steps * tc.batch_size
@@ -240,8 +241,6 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
             raise DataError(f"damaged shards in {data_desc}, found before the first update: "
                             + ("; ".join(problems[:5]) if problems else "(on another rank)")
                             + "; run `make generate-epochs` (it redoes them)")
-    elif is_main and hasattr(stream, "verify"):
-        print("train: train.verify_shards = false: each shard's sha256 is checked when it is first read")
     barrier(world)
 
     def read_step(s: int) -> dict:
@@ -259,7 +258,12 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
     while progress.step < total_steps and not deadline_hit:
         step = progress.step
-        rows = next_rows.result()
+        try:
+            rows = next_rows.result()  # damage found in what this rank reads stops the run here, before the update
+        except DataError:
+            bar.close()  # the error goes on a line of its own
+            reader.shutdown(cancel_futures=True)
+            raise
         next_rows = reader.submit(read_step, step + 1)
         if "temperature" in rows:  # the RTD streams: the curriculum's temperatures consumed
             neg_t_min, t_max = all_max([-float(rows["temperature"].min()), float(rows["temperature"].max())], world)
