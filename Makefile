@@ -36,11 +36,11 @@ DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
 SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 
-.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-aux bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor export plots ablations clean help
+.PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-aux bench-scale bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor export plots ablations clean help
 
 help:
 	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make export | make reproduce"
-	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-aux | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu | make clean"
+	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-aux | make bench-scale | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu | make clean"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) EXPORT=$(EXPORT) BUDGET=$(BUDGET)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
@@ -133,6 +133,10 @@ bench-gpu: setup
 # 8x the batch at the same micro-batch, and the pre-flight memory estimate against measured peaks.
 bench-aux: setup
 	$(PY) -m bench.aux --manifest manifests/base.toml --out bench/results
+
+# What grows with the stream, the batch or the shard folder (issue 29's figures): bench/results/scale.{json,md}.
+bench-scale: setup
+	$(PY) -m bench.scale --out bench/results
 
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md

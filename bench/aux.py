@@ -35,11 +35,12 @@ from common.tokenizer import SPECIAL_IDS
 
 
 def shaped_config(manifest: str, seq_len: int, batch: int, micro: int, layers: int = 0, hidden: int = 0,
-                  vocab: int = 0):
-    """The manifest's aux run config (its depth, [train] from [aux]) at this sequence length and batch;
-    `layers`, `hidden` and `vocab` replace the model's shape when given (calibration)."""
+                  vocab: int = 0, objective: str = "mlm"):
+    """The manifest's aux run config (its depth, [train] from [aux]; with `objective` "fast-offline" its
+    main model and [train]) at this sequence length and batch; `layers`, `hidden` and `vocab` replace the
+    model's shape when given (calibration)."""
     from auxiliary.mlm import aux_run_config
-    config = aux_run_config(load_manifest(manifest))
+    config = aux_run_config(load_manifest(manifest)) if objective == "mlm" else load_manifest(manifest)
     data = config_to_dict(config)
     data["corpus"]["max_seq_len"] = seq_len
     data["corpus"]["min_seq_len"] = min(data["corpus"]["min_seq_len"], seq_len)
@@ -54,42 +55,50 @@ def shaped_config(manifest: str, seq_len: int, batch: int, micro: int, layers: i
     return config_from_dict(data)
 
 
-def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layers: int, hidden: int, vocab: int) -> dict:
-    """In this (fresh) process: `steps` updates of the aux model; peak RSS and the pre-flight estimate."""
+def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layers: int, hidden: int, vocab: int,
+          objective: str = "mlm") -> dict:
+    """In this (fresh) process: `steps` updates of the aux model (or, objective "fast-offline", the main
+    model on random labels); peak RSS and the pre-flight estimate."""
     from common.memory import estimate_peak_bytes
+    from common.model import ReplacedTokenDetector
     from common.optim import build_optimizer, build_scheduler
+    from train.data import to_tensors
     from train.mlm import MLMObjective, mlm_tensors
     from train.trainer import update
     torch.set_num_threads(2)
-    config = shaped_config(manifest, seq_len, batch, micro, layers, hidden, vocab)
+    config = shaped_config(manifest, seq_len, batch, micro, layers, hidden, vocab, objective)
     vocab, tc = config.tokenizer.vocab_size, config.train
     torch.manual_seed(0)
-    model = MLMObjective(config.model, vocab, config.model.num_layers)
+    mlm = objective == "mlm"
+    model = (MLMObjective if mlm else ReplacedTokenDetector)(config.model, vocab, *([config.model.num_layers] if mlm else []))
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale)
     scheduler = build_scheduler(optimizer, 1, steps)
     rng = np.random.default_rng(0)
     low = max(SPECIAL_IDS) + 1
-    to_batch = partial(mlm_tensors, seed=config.seed, mask_prob=config.aux.mask_prob)
+    to_batch = partial(mlm_tensors, seed=config.seed, mask_prob=config.aux.mask_prob) if mlm else to_tensors
     autocast = torch.autocast("cpu", enabled=False)
     t0, losses = time.time(), []
     for step in range(steps):
         ids = rng.integers(low, vocab, size=(batch, seq_len)).astype(np.int32)
+        labels = rng.random((batch, seq_len)) < 0.15
         micro_rows = [{"input_ids": list(ids[i:i + micro]), "row_id": np.arange(i, i + micro) + step * batch,
-                       "epoch": np.zeros(micro, dtype=np.int64)} for i in range(0, batch, micro)]
+                       "epoch": np.zeros(micro, dtype=np.int64), **({} if mlm else {"labels": list(labels[i:i + micro])})}
+                      for i in range(0, batch, micro)]
         loss, *_ = update(model, model, optimizer, scheduler, micro_rows, to_batch, torch.device("cpu"), autocast, 1,
                           tc, config.aux.mask_prob)
         losses.append(loss)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_rss_bytes": peak, "estimate_bytes": estimate_peak_bytes(config, vocab, micro, "cpu", accumulating=micro < batch),
             "seconds": time.time() - t0, "losses": losses, "layers": config.model.num_layers,
-            "hidden": config.model.hidden_size, "vocab": vocab, "seq_len": seq_len, "batch": batch, "micro": micro}
+            "hidden": config.model.hidden_size, "vocab": vocab, "seq_len": seq_len, "batch": batch, "micro": micro,
+            "objective": objective}
 
 
 def measure(manifest: str, seq_len: int, batch: int, micro: int, steps: int = 2, layers: int = 0, hidden: int = 0,
-            vocab: int = 0) -> dict:
+            vocab: int = 0, objective: str = "mlm") -> dict:
     """`probe` in a fresh process, so each peak is its own."""
     cmd = [sys.executable, "-m", "bench.aux", "--probe", json.dumps([manifest, seq_len, batch, micro, steps, layers,
-                                                                     hidden, vocab])]
+                                                                     hidden, vocab, objective])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={"OMP_NUM_THREADS": "2", **_env()})
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -4,8 +4,10 @@ Temperature scaling and logarithmic interpolation change the output distribution
 in `common.distributions`. Here: drop-token (the aux input) and dropout / attention
 dropout at a per-row rate gamma (the aux modules). The aux model stays frozen and
 untouched: `forward_with_dropout` is the aux forward of `common.model` with dropout
-applied per row from an explicit torch Generator; at rate 0 it equals the model's own
-forward (a test checks it).
+applied per row, each row's masks drawn from a generator of its own seeded from (seed, epoch,
+row id), so they do not depend on the rows it is batched with (the generator batches a shard,
+fast-online a rank's slice: the same rows, the same masks); at rate 0 it equals the model's
+own forward (a test checks it).
 """
 from __future__ import annotations
 
@@ -35,27 +37,35 @@ def drop_tokens(masked_ids: np.ndarray, rate: float, rng: np.random.Generator) -
     return out
 
 
-def batch_generator(seed: int, epoch: int, row_ids, device) -> torch.Generator:
-    """Dropout masks of one aux batch, seeded from (seed, epoch, the batch's row ids in order).
-    The batches of a shard depend only on its rows, so the shard's bytes do not depend on
-    worker count or restarts; a different batching of the same rows gives other masks."""
-    entropy = [int(seed), int(epoch), 0xD809, *map(int, row_ids)]
-    state = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)  # 62 bits, a valid torch seed
-    return gen
+def row_generators(seed: int, epoch: int, row_ids, device) -> list[torch.Generator]:
+    """One torch generator per row, seeded from (seed, epoch, row id): the dropout masks of a row
+    depend on nothing else, not on the rows batched with it, the worker count or restarts."""
+    gens = []
+    for row_id in row_ids:
+        state = np.random.SeedSequence([int(seed), int(epoch), int(row_id), 0xD809]).generate_state(2, dtype=np.uint32)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)  # 62 bits, a valid torch seed
+        gens.append(gen)
+    return gens
 
 
-def _dropout(x: torch.Tensor, rates: torch.Tensor | None, gen: torch.Generator | None) -> torch.Tensor:
-    """Inverted dropout with one rate per row (dim 0); rate 0 leaves a row exactly as it was."""
+def _dropout(x: torch.Tensor, rates: torch.Tensor | None, gens: list | None, lengths: list[int]) -> torch.Tensor:
+    """Inverted dropout with one rate per row (dim 0); rate 0 leaves a row exactly as it was. Row b's
+    mask covers its own `lengths[b]` tokens ((tokens, width) for activations, (heads, tokens, tokens)
+    for attention probabilities), drawn from `gens[b]`; padding is kept (it is never read)."""
     if rates is None:
         return x
     keep = (1.0 - rates.float()).view(-1, *[1] * (x.dim() - 1))
-    mask = torch.rand(x.shape, generator=gen, device=x.device) < keep
+    mask = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    for b, (gen, n) in enumerate(zip(gens, lengths)):
+        if x.dim() == 3:  # (batch, tokens, width)
+            mask[b, :n] = torch.rand((n, *x.shape[2:]), generator=gen, device=x.device) < keep[b]
+        else:             # (batch, heads, queries, keys)
+            mask[b, :, :n, :n] = torch.rand((x.shape[1], n, n), generator=gen, device=x.device) < keep[b]
     return x * (mask / keep).to(x.dtype)
 
 
-def _layer(layer, x, bias, dropout, attention_dropout, gen):
+def _layer(layer, x, bias, dropout, attention_dropout, gens, lengths):
     """`common.model.EncoderLayer.forward` with per-row dropout (paper appendix C)."""
     batch, length, width = x.shape
     qkv = layer.qkv(layer.ln_attn(x))
@@ -64,24 +74,26 @@ def _layer(layer, x, bias, dropout, attention_dropout, gen):
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     else:  # dropout on the attention probabilities, as scaled_dot_product_attention's dropout_p does
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + bias
-        attn = _dropout(torch.softmax(scores, dim=-1), attention_dropout, gen) @ v
+        attn = _dropout(torch.softmax(scores, dim=-1), attention_dropout, gens, lengths) @ v
     attn = attn.transpose(1, 2).reshape(batch, length, width)
-    x = x + _dropout(layer.out(attn), dropout, gen)
+    x = x + _dropout(layer.out(attn), dropout, gens, lengths)
     h = layer.ffn_out(F.gelu(layer.ffn_in(layer.ln_ffn(x))))
-    return x + _dropout(h, dropout, gen)
+    return x + _dropout(h, dropout, gens, lengths)
 
 
 def forward_with_dropout(model: MaskedLM, input_ids, attention_mask, masked_positions,
                          dropout: torch.Tensor | None = None, attention_dropout: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None) -> torch.Tensor:
+                         generators: list | None = None) -> torch.Tensor:
     """Appendix C, 'Dropout' / 'Drop attention': the aux MLM forward with every activation dropout
     (embeddings, residual branches) at rate `dropout[b]` and / or every attention dropout at rate
-    `attention_dropout[b]` for row b. Returns logits (num_masked, vocab) like `MaskedLM.forward`."""
+    `attention_dropout[b]` for row b, its masks drawn from `generators[b]` (`row_generators`).
+    Returns logits (num_masked, vocab) like `MaskedLM.forward`."""
     enc = model.encoder
-    x = _dropout(enc.ln_embed(enc.embed(input_ids)), dropout, generator)
+    lengths = attention_mask.sum(1).tolist()
+    x = _dropout(enc.ln_embed(enc.embed(input_ids)), dropout, generators, lengths)
     pad = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
     pad = pad.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
     bias = enc.rel_bias(input_ids.shape[1]).to(x.dtype) + pad
     for layer in enc.layers:
-        x = _layer(layer, x, bias, dropout, attention_dropout, generator)
+        x = _layer(layer, x, bias, dropout, attention_dropout, generators, lengths)
     return model.head(enc.ln_final(x)[masked_positions])

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.augment import batch_generator, drop_tokens, forward_with_dropout
+from common.augment import drop_tokens, forward_with_dropout, row_generators
 from common.batching import attention_mask, length_batches, pad_rows
 from common.checkpoint import load_aux
 from common.config import GenerateConfig
@@ -79,12 +79,13 @@ class Corruptor:
             batches.append((batch, ids, attn, flags.to(self.device)))
         return positions, uniforms, batches
 
-    def aux_logits(self, ids, attn, flags, dropout=None, attention_dropout=None, generator=None) -> torch.Tensor:
-        """The aux forward; with per-row `dropout` / `attention_dropout` rates (appendix C) drawn from `generator`."""
+    def aux_logits(self, ids, attn, flags, dropout=None, attention_dropout=None, generators=None) -> torch.Tensor:
+        """The aux forward; with per-row `dropout` / `attention_dropout` rates (appendix C), each row's masks
+        drawn from its own generator (`common.augment.row_generators`)."""
         with self.autocast or contextlib.nullcontext():
             if dropout is None and attention_dropout is None:
                 return self.model(ids, attn, flags)
-            return forward_with_dropout(self.model, ids, attn, flags, dropout, attention_dropout, generator)
+            return forward_with_dropout(self.model, ids, attn, flags, dropout, attention_dropout, generators)
 
     def _model_free(self, distribution: str, originals: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         """Section 5.1 / appendix B: replaced-token log-probabilities with no aux model, (K, V)."""
@@ -111,7 +112,7 @@ class Corruptor:
         rates = {}
         if augmentation in ("dropout", "attention_dropout"):
             rates[augmentation] = torch.from_numpy(gammas[batch].astype(np.float32)).to(self.device)
-            rates["generator"] = batch_generator(self.seed, epoch, row_ids[batch], self.device)
+            rates["generators"] = row_generators(self.seed, epoch, row_ids[batch], self.device)
         logits = self.aux_logits(ids, attn, flags, **rates)
         if augmentation == "tf_interpolation":
             log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), per_position(gammas))

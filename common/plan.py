@@ -99,10 +99,11 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
     return StreamPlan(per_epoch, math.ceil(budget / per_epoch), budget)
 
 
-# How an epoch's order is drawn: "feistel-1" = `IndexPermutation` (before: a numpy permutation of the whole
-# split, generation keys without this entry). Part of the generation key: shards drawn one way are never
-# taken for shards drawn the other.
-ORDER_VERSION = "feistel-1"
+# How rows are drawn, beyond the settings: epoch orders by `IndexPermutation` and the aux model's dropout
+# masks from a generator per row (`common.augment.row_generators`). Before: a numpy permutation of the whole
+# split and masks per batch, and generation keys without this entry. Part of the generation key: shards
+# drawn one way are never taken for shards drawn the other.
+DRAWS_VERSION = "feistel-order, per-row-dropout"
 
 
 def epoch_order(num_train_rows: int, epoch: int, seed: int, stream: int = GENERATOR_STREAM) -> "IndexPermutation":
@@ -242,5 +243,5 @@ def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256
     parts = {split: [p["sha256"] for p in corpus_meta[split]["parts"]] for split in ("train", "valid")}
     blob = {"seed": seed, "generate": generate, "tokenizer": corpus_meta["tokenizer_sha256"],
             "corpus_parts": parts, "aux": aux_sha256, "total_rows": total_rows,
-            "order": ORDER_VERSION}
+            "draws": DRAWS_VERSION}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.augment import batch_generator, choose_dropped_tokens, drop_tokens, forward_with_dropout
+from common.augment import choose_dropped_tokens, drop_tokens, forward_with_dropout, row_generators
 from common.config import ModelConfig
 from common.curriculum import num_to_mask, row_rng
 from common.model import MaskedLM
@@ -58,7 +58,7 @@ def test_rate_zero_is_the_models_own_forward():
     plain = model(ids, attn, flags)
     zeros = torch.zeros(3)
     for kwargs in ({}, {"dropout": zeros}, {"attention_dropout": zeros}, {"dropout": zeros, "attention_dropout": zeros}):
-        out = forward_with_dropout(model, ids, attn, flags, generator=torch.Generator().manual_seed(0), **kwargs)
+        out = forward_with_dropout(model, ids, attn, flags, generators=row_generators(0, 0, range(3), "cpu"), **kwargs)
         assert torch.allclose(out, plain, atol=1e-5), kwargs
 
 
@@ -68,7 +68,7 @@ def test_dropout_is_per_row_and_deterministic_in_its_generator(kind):
     model, (ids, attn, flags) = _tiny_aux(), _batch()
     plain = model(ids, attn, flags).view(3, 2, -1)
     rates = torch.tensor([0.0, 0.5, 0.0])
-    run = lambda seed: forward_with_dropout(model, ids, attn, flags, generator=torch.Generator().manual_seed(seed),
+    run = lambda seed: forward_with_dropout(model, ids, attn, flags, generators=row_generators(seed, 0, range(3), "cpu"),
                                             **{kind: rates}).view(3, 2, -1)
     out = run(7)
     assert torch.allclose(out[[0, 2]], plain[[0, 2]], atol=1e-5)  # rows at rate 0 are untouched
@@ -77,8 +77,24 @@ def test_dropout_is_per_row_and_deterministic_in_its_generator(kind):
     assert model.training is False  # the frozen model's own mode is never switched
 
 
-def test_batch_generator_depends_on_seed_epoch_and_rows_only():
-    draw = lambda *args: torch.rand(4, generator=batch_generator(*args, device="cpu"))
-    assert torch.equal(draw(1, 0, [5, 9]), draw(1, 0, [5, 9]))
-    for other in ((2, 0, [5, 9]), (1, 1, [5, 9]), (1, 0, [9, 5]), (1, 0, [5, 9, 11])):
-        assert not torch.equal(draw(1, 0, [5, 9]), draw(*other))
+def test_row_generators_depend_on_seed_epoch_and_row_only():
+    draw = lambda *args: torch.rand(4, generator=row_generators(*args, device="cpu")[0])
+    assert torch.equal(draw(1, 0, [5]), draw(1, 0, [5, 9]))  # a row's draws whatever it is batched with
+    for other in ((2, 0, [5]), (1, 1, [5]), (1, 0, [9])):
+        assert not torch.equal(draw(1, 0, [5]), draw(*other))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["dropout", "attention_dropout"])
+def test_a_rows_dropout_does_not_depend_on_the_rows_batched_with_it(kind):
+    """The generator batches a shard's rows by length; fast-online batches a rank's slice: the same row
+    must get the same masks either way (issue: fast-online differed from the shards for these curricula)."""
+    model, (ids, attn, flags) = _tiny_aux(), _batch()
+    rates = torch.tensor([0.3, 0.5, 0.4])
+    together = forward_with_dropout(model, ids, attn, flags, generators=row_generators(3, 1, [10, 11, 12], "cpu"),
+                                    **{kind: rates}).view(3, 2, -1)
+    for b in range(3):  # each row alone, at its own length
+        n = int(attn[b].sum())
+        alone = forward_with_dropout(model, ids[b:b + 1, :n], attn[b:b + 1, :n], flags[b:b + 1, :n],
+                                     generators=row_generators(3, 1, [10 + b], "cpu"), **{kind: rates[b:b + 1]})
+        torch.testing.assert_close(alone.view(2, -1), together[b], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,242 @@
+"""`make bench-scale`: what grows with the stream, the batch or the shard folder, measured on this machine.
+
+    python -m bench.scale [--out bench/results]
+
+In one run:
+  driver_rss_full_vs_small  RSS of a process holding the generator's plan for base's 125,000 x 2,048 rows
+                            (a 16 GB corpus's 7.8M rows a epoch), over one holding a plan 100x smaller
+                            (target <= 1.2): tasks are (epoch, first row, count), no per-row arrays
+  preflight_max_error       the pre-flight memory estimate against the measured peak of 2 updates of the
+                            trainer's own update function, CPU, main models of three shapes (one at base
+                            width, 12 x 768) and the aux model at base shape: the largest relative error
+                            (target <= 0.25)
+  rank_read_fraction        a shard folder in row groups of a rank's share; 2 ranks each read their slices
+                            of every step: bytes read (read syscalls, /proc/self/io rchar, and the column
+                            chunks' sizes) and bytes decompressed per rank over the stream's, the largest
+                            (target <= 0.55)
+  start_4x_vs_1x            seconds from `python -m generate` (a complete folder: nothing to do) through the
+                            trainer's first update, on a folder with 4x the shards over 1x (target <= 1.3);
+                            beside it the same with every shard hashed (`--verify`, train.verify_shards)
+Not measured here yet: corpus_rss_4x_vs_1x (issue 29's corpus part: one large file cut into work units).
+Writes bench/results/scale.json and scale.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
+from common.io import atomic_write_json, atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "manifests" / "base.toml"
+
+
+def plan_probe(steps: int, corpus_rows: int) -> dict:
+    """In this (fresh) process: plan base's generation for `steps` updates over a corpus of `corpus_rows`."""
+    from common.plan import plan_tasks, stream_plan
+    config = load_manifest(BASE, [f"train.max_steps={steps}"])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    plan = stream_plan(corpus_rows, config)
+    tasks = plan_tasks(corpus_rows, 10_000, config.generate, config.seed, plan.total_rows)
+    rows = sum(t.count for t in tasks)
+    sample = tasks[len(tasks) // 2].row_ids  # what an actor derives for one task
+    return {"rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "before_bytes": before * 1024,
+            "tasks": len(tasks), "rows": rows, "sample_rows": len(sample)}
+
+
+def run_probe(kind: str, *args) -> dict:
+    cmd = [sys.executable, "-m", "bench.scale", "--probe", json.dumps([kind, *args])]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def driver_memory() -> dict:
+    corpus_rows = 16 * 10**9 // 4 // 510  # 16 GB of text at ~0.25 tokens per byte, rows of 510 + 2
+    full = run_probe("plan", 125_000, corpus_rows)
+    small = run_probe("plan", 1_250, corpus_rows)
+    return {"driver_rss_full_vs_small": full["rss_bytes"] / small["rss_bytes"], "plan_full": full, "plan_small": small}
+
+
+def preflight_error() -> dict:
+    from bench.aux import measure
+    manifest = str(BASE)
+    shapes = [measure(manifest, 128, 8, 8, layers=12, hidden=768, vocab=32000, objective="fast-offline"),
+              measure(manifest, 128, 32, 32, layers=4, hidden=256, vocab=8000, objective="fast-offline"),
+              measure(manifest, 512, 8, 8, layers=2, hidden=512, vocab=8000, objective="fast-offline"),
+              measure(manifest, 64, 8, 4, objective="mlm")]
+    for r in shapes:
+        r["estimate_over_measured"] = r["estimate_bytes"] / r["peak_rss_bytes"]
+    return {"preflight_max_error": max(abs(r["estimate_over_measured"] - 1) for r in shapes), "preflight_shapes": shapes}
+
+
+def write_shard_folder(out: Path, shards: int, rows_per_shard: int, row_group: int, seq_len: int = 512,
+                       vocab: int = 8000, zstd_level: int = 3) -> None:
+    """Shards of random rows in the generator's schema and encoding, with the manifest records the trainer
+    reads (the reading benchmark needs the layout, not a trained aux model)."""
+    from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
+    import pyarrow as pa
+    rng = np.random.default_rng(0)
+    records = []
+    for k in range(shards):
+        ids = [rng.integers(5, vocab, size=seq_len).astype(np.int32) for _ in range(rows_per_shard)]
+        start = k * rows_per_shard
+        columns = {"stream_index": pa.array(np.arange(start, start + rows_per_shard, dtype=np.int64)),
+                   "row_id": pa.array(rng.permutation(rows_per_shard).astype(np.int64)),
+                   "temperature": pa.array(np.full(rows_per_shard, 1.5, np.float32)),
+                   "input_ids": int_lists(ids, pa.int32()),
+                   "labels": int_lists([rng.random(seq_len) < 0.15 for _ in ids], pa.bool_())}
+        path = f"epoch-000/shard-{k:05d}.parquet"
+        info = write_parquet(out / path, columns, SHARD_SCHEMA, SHARD_ENCODING, zstd_level, row_group)
+        records.append({"path": path, "rows": rows_per_shard, **info})
+    atomic_write_json(out / "records.json", records)
+
+
+def read_probe(folder: str, rank: int, world: int, batch: int) -> dict:
+    """In this (fresh) process: rank `rank` of `world` reads its slice of every step of the folder."""
+    from train.data import ShardStream, rank_slice
+    records = json.loads((Path(folder) / "records.json").read_text())
+    stream = ShardStream(folder, records)
+    rchar = lambda: int(next(l for l in Path("/proc/self/io").read_text().splitlines()  # noqa: E731
+                             if l.startswith("rchar")).split()[1])
+    before = rchar()
+    for step in range(stream.num_rows // batch):
+        rows = stream.rows(*rank_slice(step, batch, rank, world))
+        assert len(rows["input_ids"]) == batch // world
+    return {"rchar": rchar() - before, "bytes_read": stream.bytes_read, "bytes_decompressed": stream.bytes_decompressed}
+
+
+def rank_reading(tmp: Path) -> dict:
+    import pyarrow.parquet as pq
+    batch, world = 64, 2
+    folder = tmp / "shards"
+    write_shard_folder(folder, shards=2, rows_per_shard=8192, row_group=batch // world)
+    files = sorted(folder.glob("epoch-000/*.parquet"))
+    stream_bytes = sum(f.stat().st_size for f in files)
+    stream_decompressed = sum(pq.ParquetFile(f).metadata.row_group(g).total_byte_size
+                              for f in files for g in range(pq.ParquetFile(f).metadata.num_row_groups))
+    ranks = [run_probe("read", str(folder), r, world, batch) for r in range(world)]
+    whole = run_probe("read", str(folder), 0, 1, batch)
+    fraction = max(max(r["rchar"], r["bytes_read"]) / stream_bytes for r in ranks)
+    fraction = max(fraction, max(r["bytes_decompressed"] / stream_decompressed for r in ranks))
+    return {"rank_read_fraction": fraction, "read_ranks": ranks, "read_one_rank": whole,
+            "stream_bytes": stream_bytes, "stream_decompressed_bytes": stream_decompressed,
+            "read_layout": f"2 shards x 8,192 rows of 512 random ids (zstd 3), row groups of {batch // world}, "
+                           f"batch {batch}, {world} ranks"}
+
+
+def chain(tmp: Path) -> Path:
+    """A corpus and an aux model for the start-time benchmark: the embedded text, a 2 x 64 model."""
+    work = tmp / "work"
+    values = config_to_dict(load_manifest(ROOT / "manifests" / "tiny.toml"))
+    values.update(work_dir=str(work), shared_dir="")
+    values["model"].update(hidden_size=64, num_layers=2, num_heads=2, ffn_size=128)
+    values["aux"].update(steps=20, eval_every=20, ckpt_every=20, log_every=10)
+    values["generate"].update(rows_per_epoch=2048, rows_per_shard=256)
+    values["train"].update(max_steps=1, allow_short_stream=True, eval_every=1000, log_every=1, ckpt_every=1000)
+    manifest = tmp / "scale.toml"
+    manifest.write_text(dump_toml(config_from_dict(values)))
+    for module in ("corpus", "auxiliary"):
+        subprocess.run([sys.executable, "-m", module, "--manifest", str(manifest)], check=True, cwd=ROOT,
+                       capture_output=True)
+    return manifest
+
+
+def seconds_to_first_step(manifest: Path, data: Path, run: Path, verify: bool) -> float:
+    """`make train`'s two commands on a complete folder: the generator's check, then the trainer to its
+    first update (metrics.jsonl's first line), which is then stopped."""
+    shutil.rmtree(run, ignore_errors=True)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "generate", "--manifest", str(manifest), "--out", str(data),
+                    *(["--verify"] if verify else [])], check=True, cwd=ROOT, capture_output=True)
+    proc = subprocess.Popen([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data),
+                             "--out", str(run), *(["--set", "train.verify_shards=true"] if verify else [])],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        if proc.poll() is not None and not (metrics.is_file() and metrics.read_text().strip()):
+            raise RuntimeError(f"the trainer on {data} stopped (exit code {proc.returncode}) before its first step")
+        time.sleep(0.01)
+    seconds = time.perf_counter() - t0
+    proc.wait()
+    return seconds
+
+
+def start_time(tmp: Path, repeats: int = 2) -> dict:
+    manifest = chain(tmp)
+    folders = {}
+    for times, epochs in ((1, 2), (4, 8)):
+        folders[times] = tmp / f"epochs-{times}x"
+        sized = tmp / f"scale-{times}x.toml"
+        sized.write_text(dump_toml(load_manifest(manifest, [f"generate.epochs={epochs}"])))
+        subprocess.run([sys.executable, "-m", "generate", "--manifest", str(sized), "--out", str(folders[times])],
+                       check=True, cwd=ROOT, capture_output=True)
+    timings = {f"{times}x{'_verify' if verify else ''}": [] for times in (1, 4) for verify in (False, True)}
+    for _ in range(repeats):  # interleaved: drift on this shared machine falls on both sizes alike
+        for verify in (False, True):
+            for times in (1, 4):
+                seconds = seconds_to_first_step(tmp / f"scale-{times}x.toml", folders[times], tmp / "run", verify)
+                timings[f"{times}x{'_verify' if verify else ''}"].append(seconds)
+    best = {k: min(v) for k, v in timings.items()}
+    shards = {times: len(list(folders[times].glob("epoch-*/*.parquet"))) for times in (1, 4)}
+    return {"start_4x_vs_1x": best["4x"] / best["1x"], "start_4x_vs_1x_verify": best["4x_verify"] / best["1x_verify"],
+            "start_seconds": timings, "start_shards": shards}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.probe:
+        kind, *rest = json.loads(args.probe)
+        print(json.dumps({"plan": plan_probe, "read": read_probe}[kind](*rest)))
+        return 0
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.python_version()}"}
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        result.update(driver_memory())
+        result.update(rank_reading(Path(tmp)))
+        result.update(start_time(Path(tmp)))
+    result.update(preflight_error())
+    result["corpus_rss_4x_vs_1x"] = None  # not measured: the corpus part of issue 29 is not done
+    out = Path(args.out)
+    atomic_write_json(out / "scale.json", result)
+    md = ["# make bench-scale", "", f"{result['date']}, {result['machine']}.", "",
+          "| figure | value | target |", "|---|---|---|",
+          f"| driver RSS, base plan (125,000 x 2,048 rows) / 100x smaller (`driver_rss_full_vs_small`) | "
+          f"{result['driver_rss_full_vs_small']:.3f} ({result['plan_full']['rss_bytes'] / 2**20:.0f} / "
+          f"{result['plan_small']['rss_bytes'] / 2**20:.0f} MB, {result['plan_full']['tasks']} / "
+          f"{result['plan_small']['tasks']} tasks) | <= 1.2 |",
+          f"| pre-flight estimate vs measured peak, largest error (`preflight_max_error`) | "
+          f"{result['preflight_max_error']:.3f} | <= 0.25 |",
+          f"| bytes read / decompressed per rank over the stream's, 2 ranks (`rank_read_fraction`) | "
+          f"{result['rank_read_fraction']:.3f} | <= 0.55 |",
+          f"| seconds to the first step, 4x shards / 1x (`start_4x_vs_1x`) | {result['start_4x_vs_1x']:.3f} "
+          f"(every shard hashed: {result['start_4x_vs_1x_verify']:.3f}) | <= 1.3 |",
+          "| corpus stage peak RSS, one .jsonl.gz of 4x the text / 1x (`corpus_rss_4x_vs_1x`) | not measured | <= 1.2 |",
+          "", "Pre-flight shapes (objective, layers x width, vocabulary, tokens, rows / micro-batch: estimate / measured):", ""]
+    md += [f"- {r['objective']}, {r['layers']} x {r['hidden']}, {r['vocab']}, {r['seq_len']}, {r['batch']} / {r['micro']}: "
+           f"{r['estimate_bytes'] / 2**20:.0f} / {r['peak_rss_bytes'] / 2**20:.0f} MB ({r['estimate_over_measured']:.3f})"
+           for r in result["preflight_shapes"]]
+    md += ["", f"Reading: {result['read_layout']}; per rank "
+           + "; ".join(f"rchar {r['rchar'] / 2**20:.2f} MB, chunks {r['bytes_read'] / 2**20:.2f} MB, decompressed "
+                       f"{r['bytes_decompressed'] / 2**20:.2f} MB" for r in result["read_ranks"])
+           + f"; stream {result['stream_bytes'] / 2**20:.2f} MB on disk, {result['stream_decompressed_bytes'] / 2**20:.2f} MB decompressed.",
+           "", f"Start: {result['start_shards']} shards; seconds per run {result['start_seconds']}."]
+    atomic_write_text(out / "scale.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
