@@ -110,7 +110,7 @@ reproduce: setup
 	$(PY) -m experiments.reproduce --manifest manifests/reproduce.toml $(if $(BUDGET),--budget $(BUDGET))
 
 # All benchmarks (ratios measured in one run each; results in bench/results/).
-bench: bench-corpus bench-aux bench-generate bench-train bench-efficiency bench-flops
+bench: bench-corpus bench-aux bench-scale bench-generate bench-train bench-efficiency bench-flops
 
 bench-generate: generate-epochs
 	$(PY) -m bench.generate --manifest $(MANIFEST) --data $(DATA_DIR)

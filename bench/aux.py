@@ -64,6 +64,7 @@ def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layer
     from common.optim import build_optimizer, build_scheduler
     from train.data import to_tensors
     from train.mlm import MLMObjective, mlm_tensors
+    from common.curriculum import masked_count
     from train.trainer import update
     torch.set_num_threads(2)
     config = shaped_config(manifest, seq_len, batch, micro, layers, hidden, vocab, objective)
@@ -85,7 +86,7 @@ def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layer
                        "epoch": np.zeros(micro, dtype=np.int64), **({} if mlm else {"labels": list(labels[i:i + micro])})}
                       for i in range(0, batch, micro)]
         loss, *_ = update(model, model, optimizer, scheduler, micro_rows, to_batch, torch.device("cpu"), autocast, 1,
-                          tc, config.aux.mask_prob)
+                          tc, partial(masked_count, mask_prob=config.aux.mask_prob))
         losses.append(loss)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_rss_bytes": peak, "estimate_bytes": estimate_peak_bytes(config, vocab, micro, "cpu", accumulating=micro < batch),

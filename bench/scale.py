@@ -17,7 +17,9 @@ In one run:
   start_4x_vs_1x            seconds from `python -m generate` (a complete folder: nothing to do) through the
                             trainer's first update, on a folder with 4x the shards over 1x (target <= 1.3);
                             beside it the same with every shard hashed (`--verify`, train.verify_shards)
-Not measured here yet: corpus_rss_4x_vs_1x (issue 29's corpus part: one large file cut into work units).
+  corpus_rss_4x_vs_1x       peak RSS of `python -m corpus` (one worker, its whole process tree) on a single
+                            .jsonl.gz holding 4x the text over one holding 1x (100 MB of text), the
+                            tokenizer's sample bounded (max_sentences 50,000, reached by both) (target <= 1.2)
 Writes bench/results/scale.json and scale.md.
 """
 from __future__ import annotations
@@ -193,23 +195,59 @@ def start_time(tmp: Path, repeats: int = 2) -> dict:
             "start_seconds": timings, "start_shards": shards}
 
 
+def jsonl_gz(path: Path, megabytes: float, seed: int, cache: Path) -> int:
+    """One .jsonl.gz of documents of the embedded text's sentences (`bench.corpus.synthetic_corpus`, all
+    distinct); returns the bytes of text."""
+    import gzip
+    from bench.corpus import synthetic_corpus
+    folder = cache / f"txt-{seed}"
+    synthetic_corpus(folder, megabytes, cache, seed=seed)
+    written = 0
+    with gzip.open(path, "wt", compresslevel=1, encoding="utf-8") as f:
+        for doc in sorted(folder.rglob("*.txt")):
+            text = doc.read_text()
+            written += len(text.encode())
+            f.write(json.dumps({"text": text}) + "\n")
+    shutil.rmtree(folder)
+    return written
+
+
+def corpus_memory(tmp: Path) -> dict:
+    from bench.corpus import run_job
+    manifest = tmp / "corpus.toml"
+    manifest.write_text(dump_toml(load_manifest(ROOT / "manifests" / "tiny.toml", ["tokenizer.max_sentences=50000"])))
+    runs = {}
+    for times in (1, 4):
+        source = tmp / f"corpus-{times}x.jsonl.gz"
+        text_bytes = jsonl_gz(source, 100 * times, seed=times, cache=tmp)
+        runs[times] = {**run_job(manifest, source, tmp / f"corpus-{times}x", 1), "text_mb": text_bytes / 1e6,
+                       "gz_mb": source.stat().st_size / 1e6}
+        source.unlink()
+        shutil.rmtree(tmp / f"corpus-{times}x", ignore_errors=True)
+    return {"corpus_rss_4x_vs_1x": runs[4]["peak_rss_mb"] / runs[1]["peak_rss_mb"], "corpus_runs": runs}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--parts", default="driver,read,start,corpus,preflight",
+                        help="which figures to measure (the others are kept from the last scale.json)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         kind, *rest = json.loads(args.probe)
         print(json.dumps({"plan": plan_probe, "read": read_probe}[kind](*rest)))
         return 0
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.python_version()}"}
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
-        result.update(driver_memory())
-        result.update(rank_reading(Path(tmp)))
-        result.update(start_time(Path(tmp)))
-    result.update(preflight_error())
-    result["corpus_rss_4x_vs_1x"] = None  # not measured: the corpus part of issue 29 is not done
     out = Path(args.out)
+    parts = set(args.parts.split(","))
+    result = json.loads((out / "scale.json").read_text()) if parts != {"driver", "read", "start", "corpus",
+                                                                         "preflight"} else {}
+    result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.python_version()}"})
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        for name, measure in (("driver", driver_memory), ("read", rank_reading), ("start", start_time),
+                              ("corpus", corpus_memory), ("preflight", preflight_error)):
+            if name in parts:
+                result.update(measure(Path(tmp)) if name in ("read", "start", "corpus") else measure())
     atomic_write_json(out / "scale.json", result)
     md = ["# make bench-scale", "", f"{result['date']}, {result['machine']}.", "",
           "| figure | value | target |", "|---|---|---|",
@@ -223,7 +261,10 @@ def main(argv=None) -> int:
           f"{result['rank_read_fraction']:.3f} | <= 0.55 |",
           f"| seconds to the first step, 4x shards / 1x (`start_4x_vs_1x`) | {result['start_4x_vs_1x']:.3f} "
           f"(every shard hashed: {result['start_4x_vs_1x_verify']:.3f}) | <= 1.3 |",
-          "| corpus stage peak RSS, one .jsonl.gz of 4x the text / 1x (`corpus_rss_4x_vs_1x`) | not measured | <= 1.2 |",
+          f"| corpus stage peak RSS, one .jsonl.gz of 4x the text / 1x (`corpus_rss_4x_vs_1x`) | "
+          f"{result['corpus_rss_4x_vs_1x']:.3f} ({result['corpus_runs'][4]['peak_rss_mb']:.0f} / "
+          f"{result['corpus_runs'][1]['peak_rss_mb']:.0f} MB; {result['corpus_runs'][4]['text_mb']:.0f} / "
+          f"{result['corpus_runs'][1]['text_mb']:.0f} MB of text) | <= 1.2 |",
           "", "Pre-flight shapes (objective, layers x width, vocabulary, tokens, rows / micro-batch: estimate / measured):", ""]
     md += [f"- {r['objective']}, {r['layers']} x {r['hidden']}, {r['vocab']}, {r['seq_len']}, {r['batch']} / {r['micro']}: "
            f"{r['estimate_bytes'] / 2**20:.0f} / {r['peak_rss_bytes'] / 2**20:.0f} MB ({r['estimate_over_measured']:.3f})"

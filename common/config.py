@@ -62,10 +62,15 @@ class TokenizerConfig:
     """SentencePiece BPE vocabulary size, special tokens included (paper: 128K)."""
     max_sentences: int = 300_000
     """Lines sampled from the corpus to train the tokenizer."""
+    max_sample_mb: float = 512.0
+    """Millions of characters the tokenizer's sample may hold (the driver holds it at once): each work unit's
+    share is bounded in characters as well as lines."""
 
     def __post_init__(self):
         if self.vocab_size < 300:
             raise ConfigError(f"tokenizer.vocab_size must be >= 300 (byte fallback needs 256), got {self.vocab_size}")
+        if not self.max_sample_mb > 0 or self.max_sentences < 1:
+            raise ConfigError("tokenizer.max_sample_mb must be > 0 and tokenizer.max_sentences >= 1")
 
 
 @dataclass

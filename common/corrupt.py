@@ -62,7 +62,8 @@ class Corruptor:
         row's aux input also gets that fraction of [UNK]s (appendix C), drawn after its other draws."""
         positions, uniforms, inputs = [], [], []
         for i, (r, rid) in enumerate(zip(rows, row_ids)):
-            pos, u, rng = row_draws(r, self.mask_prob, self.seed, epoch, int(rid))
+            pos, u, rng = row_draws(r, self.mask_prob, self.seed, epoch, int(rid), reserved=self.reserved,
+                                    vocab_size=self.vocab_size)
             positions.append(pos)
             uniforms.append(u)
             m = r.copy()
@@ -91,13 +92,13 @@ class Corruptor:
         """Section 5.1 / appendix B: replaced-token log-probabilities with no aux model, (K, V)."""
         k, v = len(originals), self.vocab_size
         if distribution == "uniform":
-            return uniform_log_probs(k, v, self.device)
+            return uniform_log_probs(k, v, self.device, self.reserved)
         if distribution == "term_frequency":
             return self.log_tf.expand(k, v).clone()
-        soh = smoothed_one_hot_log_probs(originals, v, self.soh_alpha)
+        soh = smoothed_one_hot_log_probs(originals, v, self.soh_alpha, self.reserved)
         if distribution == "smoothed_one_hot":
             return soh
-        easy = uniform_log_probs(1, v, self.device)[0] if distribution == "uniform_to_soh" else self.log_tf
+        easy = uniform_log_probs(1, v, self.device, self.reserved)[0] if distribution == "uniform_to_soh" else self.log_tf
         return log_interpolation(easy, soh, gammas)
 
     def _sample(self, batch, ids, attn, flags, counts, uniforms, temperatures, gammas, originals, row_ids, epoch):

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from common.distributions import sample_temperature
-from common.tokenizer import MASK_ID, SPECIAL_IDS
+from common.tokenizer import MASK_ID, SPECIAL_IDS, Reserved
+
+OURS = Reserved()  # our tokenizer's reserved ids: the five specials
 
 VALID_EPOCH = 1_000_000  # the "epoch" whose seeds make the held-out validation rows
 
@@ -69,43 +71,50 @@ def num_to_mask(num_candidates: int, mask_prob: float) -> int:
     return int(math.floor(mask_prob * num_candidates + 0.5))
 
 
-def mask_candidates(input_ids: np.ndarray) -> np.ndarray:
-    """Positions that may be masked: every token but the special ones."""
-    return np.flatnonzero(~np.isin(input_ids, SPECIAL_IDS))
+def mask_candidates(input_ids: np.ndarray, reserved: Reserved = OURS, vocab_size: int = 0) -> np.ndarray:
+    """Positions that may be masked: every token but the reserved ones (the specials; with an hf:
+    tokenizer also its other special and unused entries, `reserved.tail` ids below `vocab_size`)."""
+    ids = np.asarray(input_ids)
+    kept = ids >= reserved.head
+    if reserved.tail:
+        kept &= ids < reserved.stop(vocab_size)
+    return np.flatnonzero(kept)
 
 
-def masked_count(rows, mask_prob: float) -> int:
+def masked_count(rows, mask_prob: float, reserved: Reserved = OURS, vocab_size: int = 0) -> int:
     """How many positions `choose_masked_positions` masks in these rows, without drawing them."""
-    return sum(num_to_mask(len(mask_candidates(r)), mask_prob) for r in rows)
+    return sum(num_to_mask(len(mask_candidates(r, reserved, vocab_size)), mask_prob) for r in rows)
 
 
-def choose_masked_positions(input_ids: np.ndarray, mask_prob: float, rng: np.random.Generator) -> np.ndarray:
-    """Sorted positions to mask: exactly round(mask_prob * n) of the n non-special tokens
+def choose_masked_positions(input_ids: np.ndarray, mask_prob: float, rng: np.random.Generator,
+                            reserved: Reserved = OURS, vocab_size: int = 0) -> np.ndarray:
+    """Sorted positions to mask: exactly round(mask_prob * n) of the n non-reserved tokens
     (appendix A: 15%, special tokens never masked)."""
-    candidates = mask_candidates(input_ids)
+    candidates = mask_candidates(input_ids, reserved, vocab_size)
     k = num_to_mask(len(candidates), mask_prob)
     return np.sort(rng.choice(candidates, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
 
 
 def row_draws(input_ids: np.ndarray, mask_prob: float, seed: int, epoch: int, row_id: int,
-              stream: int = GENERATOR_STREAM):
+              stream: int = GENERATOR_STREAM, reserved: Reserved = OURS, vocab_size: int = 0):
     """A row's random draws, in the order every path makes them (generate/, fast-online, ELECTRA; the aux
     model's MLM training from a `stream` of its own): its masked positions, then one sampling uniform per
     position. Returns (positions, uniforms, rng); the rng goes on for any later draw of the row
     (appendix C's token dropping)."""
     rng = row_rng(seed, epoch, row_id, stream)
-    positions = choose_masked_positions(input_ids, mask_prob, rng)
+    positions = choose_masked_positions(input_ids, mask_prob, rng, reserved, vocab_size)
     return positions, rng.random(len(positions)), rng
 
 
-def sample_replacements(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_replacements(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
+                        reserved: Reserved = OURS) -> torch.Tensor:
     """x_hat ~ Softmax(log p_aux / T) (paper section 3, eq. 1), in fp32, never a special token.
 
     logits: (K, V) aux outputs at masked positions (any float dtype, left intact); temperature: (K,);
     uniforms: (K,) in [0, 1), one per position. Inverse-CDF sampling, deterministic; five passes
     over (K, V) (see `common.distributions.sample_temperature`).
     """
-    return sample_temperature(logits, temperature, uniforms)
+    return sample_temperature(logits, temperature, uniforms, reserved)
 
 
 def rtd_labels(original: np.ndarray, corrupted: np.ndarray) -> np.ndarray:

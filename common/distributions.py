@@ -64,9 +64,11 @@ def temperature_scaled(log_p: torch.Tensor, temperature: torch.Tensor) -> torch.
     return log_p / t.clamp(*TEMPERATURE_RANGE)[:, None]
 
 
-def uniform_log_probs(num_rows: int, vocab_size: int, device="cpu") -> torch.Tensor:
-    """Paper section 5.1, 'Uniform': 1 / |V| on every non-special token."""
-    row = torch.where(non_special(vocab_size, device), -math.log(vocab_size - len(SPECIAL_IDS)), float("-inf"))
+def uniform_log_probs(num_rows: int, vocab_size: int, device="cpu", reserved: Reserved = RESERVED) -> torch.Tensor:
+    """Paper section 5.1, 'Uniform': 1 / |V| on every token a replacement may be (|V|: the vocabulary
+    less the reserved ids, an hf: tokenizer's unused entries included)."""
+    count = reserved.stop(vocab_size) - reserved.head
+    row = torch.where(non_special(vocab_size, device, reserved), -math.log(count), float("-inf"))
     return row.repeat(num_rows, 1)
 
 
@@ -81,11 +83,13 @@ def term_frequency_log_probs(counts: np.ndarray, device="cpu") -> torch.Tensor:
         return torch.from_numpy(np.log(counts / counts.sum())).float().to(device)
 
 
-def smoothed_one_hot_log_probs(originals: torch.Tensor, vocab_size: int, alpha: float) -> torch.Tensor:
+def smoothed_one_hot_log_probs(originals: torch.Tensor, vocab_size: int, alpha: float,
+                               reserved: Reserved = RESERVED) -> torch.Tensor:
     """Paper section 5.1, 'Smoothed one-hot': 1 - alpha on the original token, alpha / (|V| - 1)
-    on each other non-special token. `originals`: (K,) token ids, never special."""
-    rest = math.log(alpha / (vocab_size - len(SPECIAL_IDS) - 1))
-    out = uniform_log_probs(len(originals), vocab_size, originals.device)
+    on each other token a replacement may be, so the sampler (which gives the reserved ids no mass)
+    keeps exactly alpha off the original. `originals`: (K,) token ids, never reserved."""
+    rest = math.log(alpha / (reserved.stop(vocab_size) - reserved.head - 1))
+    out = uniform_log_probs(len(originals), vocab_size, originals.device, reserved)
     out[out > float("-inf")] = rest
     out.scatter_(1, originals.long()[:, None], math.log(1.0 - alpha))
     return out

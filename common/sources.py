@@ -182,8 +182,8 @@ class SourceFile:
 
 @dataclass(frozen=True)
 class Piece:
-    """Part of one file: bytes [start, stop) of a plain .jsonl (stop -1: to the end), row groups
-    [start, stop) of a Parquet file, or the whole file (0, -1)."""
+    """Part of one file: the lines starting in bytes [start, stop) of a plain .jsonl or .txt (stop -1: to
+    the end), row groups [start, stop) of a Parquet file, or the whole file (0, -1)."""
     file: SourceFile
     start: int = 0
     stop: int = -1
@@ -224,8 +224,9 @@ def source_files(source: str, cache_dir: str | Path) -> list[SourceFile]:
 
 
 def _pieces(file: SourceFile, unit_bytes: int) -> list[tuple[Piece, int]]:
-    """(piece, bytes) of one file: large plain .jsonl files in byte ranges, Parquet in row groups."""
-    if file.kind == "jsonl" and not file.path.endswith(".gz") and file.size > unit_bytes:
+    """(piece, bytes) of one file: large plain .jsonl and .txt files in byte ranges (cut at line starts
+    when read), Parquet in row groups. A gzip file is one piece, read as a stream."""
+    if file.kind in ("jsonl", "txt") and not file.path.endswith(".gz") and file.size > unit_bytes:
         return [(Piece(file, start, min(start + unit_bytes, file.size)), min(unit_bytes, file.size - start))
                 for start in range(0, file.size, unit_bytes)]
     if file.kind == "parquet":
@@ -281,6 +282,12 @@ def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
             for number, line in enumerate(f, 1):
                 yield number, -1, line
         return
+    yield from _plain_lines(piece)
+
+
+def _plain_lines(piece: Piece) -> Iterator[tuple[None, int, bytes]]:
+    """(None, byte offset, raw line) of the lines of a plain file that start inside the piece."""
+    path = piece.file.path
     with open(path, "rb") as f:
         if piece.start:
             f.seek(piece.start - 1)
@@ -347,6 +354,16 @@ def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErro
         yield from _read_jsonl(piece, text_column)
     elif piece.file.kind == "parquet":
         yield from _read_parquet(piece, text_column)
+    elif piece.stop >= 0:  # a large plain .txt in line-aligned byte ranges: each range one document
+        try:
+            raw = b"".join(line for _, _, line in _plain_lines(piece))
+        except OSError as e:
+            raise CorpusError(f"{piece.file.path} cannot be read: {e}") from e
+        try:
+            where = f"{piece.file.path} (bytes from {piece.start})"
+            yield Document(f"{piece.file.name}:{piece.start}", strip_gutenberg(decode(raw, where)))
+        except CorpusError as e:
+            yield e
     else:
         opener = gzip.open if piece.file.path.endswith(".gz") else open
         try:

@@ -159,6 +159,14 @@ class Tokenizer:
         return self.sp.decode(self.sp_of[np.asarray(ids, dtype=np.int64)].tolist())
 
 
+def tokenizer_reserved(folder: str | Path) -> "Reserved":
+    """The ids a corpus folder's tokenizer never masks or samples (`Reserved`), read from its metadata
+    without loading the tokenizer: ours reserve the five specials, an hf: tokenizer its whole block."""
+    meta_path = Path(folder) / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    return Reserved.of(meta) if meta.get("kind") == "hf" else Reserved()
+
+
 def open_tokenizer(folder: str | Path):
     """The tokenizer a corpus folder was built with: ours (SentencePiece), or an hf: aux model's
     (common/hf.py), by what its tokenizer.json says."""

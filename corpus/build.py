@@ -31,8 +31,8 @@ import pyarrow as pa
 from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
 from common.io import (FolderLock, atomic_path, atomic_write_json, atomic_write_text, publish_folder, remove_stale_tmp,
-                       sha256_file)
-from common.shards import CORPUS_SCHEMA, FORMAT_VERSION, write_parquet
+                       sha256_file, tmp_path_for)
+from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
                             source_files, work_units)
 from common import hf
@@ -64,11 +64,12 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
 # --- the two passes over a unit (run in Ray workers; pure functions of their arguments) ---------
 
 def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float, sample_lines: int,
-              skip_bad: bool = False) -> dict:
+              skip_bad: bool = False, sample_bytes: float = math.inf) -> dict:
     """Pass 1: every document's hash and split, and a seeded reservoir sample of `sample_lines`
-    paragraphs of its training documents, as (document index, text)."""
+    paragraphs of its training documents, as (document index, text), holding at most `sample_bytes`
+    characters: past them, random entries leave and the reservoir shrinks to what fits."""
     rng = random.Random(hash((seed, unit.index, 0x5CA)))  # Python ints hash the same in every process
-    hashes, sample, seen, skipped = [], [], 0, [] if skip_bad else None
+    hashes, sample, seen, size, skipped = [], [], 0, 0, [] if skip_bad else None
     for i, doc in enumerate(read_unit(unit, text_column, skipped)):
         h = document_hash(doc.text, seed)
         hashes.append(h)
@@ -76,10 +77,16 @@ def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float
             continue
         for k, block in enumerate(blocks(doc.text)):  # whitespace is collapsed for the chosen ones only
             seen += 1
+            block = block[:4 * MAX_PARAGRAPH_CHARS]  # what is kept of it is at most MAX_PARAGRAPH_CHARS
             if len(sample) < sample_lines:
                 sample.append((i, k, block))
+                size += len(block)
             elif (j := rng.randrange(seen)) < sample_lines:
+                size += len(block) - len(sample[j][2])
                 sample[j] = (i, k, block)
+            while size > sample_bytes and len(sample) > 1:  # bounded in characters too
+                size -= len(sample.pop(rng.randrange(len(sample)))[2])
+                sample_lines = len(sample)
     sample.sort(key=lambda entry: entry[:2])  # document order
     sample = [(i, k, " ".join(block.split())[:MAX_PARAGRAPH_CHARS]) for i, k, block in sample]
     sample = [entry for entry in sample if entry[2]]
@@ -102,24 +109,86 @@ def pack_document(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[n
     return rows
 
 
-def _write_part(out: Path, split: str, unit: int, rows: list[np.ndarray], doc_ids: list[int]) -> dict:
-    """One unit's rows of one split: a Parquet part and the same rows flat (int32 tokens, int64 offsets)."""
-    name = f"{split}/part-{unit:05d}"
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum([len(r) for r in rows], out=offsets[1:])
-    tokens = np.concatenate(rows)
-    columns = {"row_id": pa.array(np.arange(len(rows), dtype=np.int64)),
-               "doc_id": pa.array(np.asarray(doc_ids, dtype=np.int32)),
-               "input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))}
-    info = write_parquet(out / f"{name}.parquet", columns, CORPUS_SCHEMA)
-    flat = {}
-    for kind, array in (("tokens", tokens), ("offsets", offsets)):
-        path = out / f"{name}.{kind}.npy"
-        with atomic_path(path) as tmp:
-            with open(tmp, "wb") as f:
-                np.save(f, array)
-        flat[kind] = {"path": f"{name}.{kind}.npy", "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    return {"path": f"{name}.parquet", "rows": len(rows), "tokens": int(offsets[-1]), **info, "flat": flat}
+class PartWriter:
+    """One unit's rows of one split, written as they come, so a unit of any size is packed in bounded
+    memory: every `flush_rows` rows go to the Parquet part as a row group and to the flat token and
+    offset arrays (raw files, given their .npy header at the end: the same bytes as `np.save`)."""
+
+    FLUSH_ROWS = 16384
+
+    def __init__(self, out: Path, split: str, unit: int, flush_rows: int = FLUSH_ROWS):
+        self.out, self.name, self.flush_rows = out, f"{split}/part-{unit:05d}", flush_rows
+        self.rows, self.doc_ids, self.count, self.tokens = [], [], 0, 0
+        self.parquet = self.raw = None
+
+    def add(self, rows: list[np.ndarray], doc_id: int) -> None:
+        self.rows += rows
+        self.doc_ids += [doc_id] * len(rows)
+        if len(self.rows) >= self.flush_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow.parquet as pq
+        if not self.rows:
+            return
+        if self.parquet is None:
+            (self.out / self.name).parent.mkdir(parents=True, exist_ok=True)
+            self.paths = {kind: tmp_path_for(self.out / f"{self.name}{suffix}")
+                          for kind, suffix in (("parquet", ".parquet"), ("tokens", ".tokens.npy"),
+                                               ("offsets", ".offsets.npy"))}
+            self.parquet = pq.ParquetWriter(self.paths["parquet"], CORPUS_SCHEMA, **PARQUET_OPTIONS)
+            self.raw = {k: open(self.paths[k].with_suffix(".raw"), "wb") for k in ("tokens", "offsets")}
+            self.raw["offsets"].write(np.zeros(1, np.int64).tobytes())
+        lengths = np.fromiter((len(r) for r in self.rows), dtype=np.int64, count=len(self.rows))
+        offsets = np.zeros(len(self.rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.concatenate(self.rows).astype(np.int32, copy=False)
+        self.parquet.write_table(pa.table({
+            "row_id": pa.array(np.arange(self.count, self.count + len(self.rows), dtype=np.int64)),
+            "doc_id": pa.array(np.asarray(self.doc_ids, dtype=np.int32)),
+            "input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))},
+            schema=CORPUS_SCHEMA))
+        self.raw["tokens"].write(tokens.tobytes())
+        self.raw["offsets"].write((offsets[1:] + self.tokens).tobytes())
+        self.count, self.tokens = self.count + len(self.rows), self.tokens + int(offsets[-1])
+        self.rows, self.doc_ids = [], []
+
+    def close(self) -> dict | None:
+        """Publish the part (atomically, each file); its record, or None if it got no row."""
+        self._flush()
+        if self.parquet is None:
+            return None
+        self.parquet.close()
+        flat = {}
+        for kind, dtype, count in (("tokens", np.int32, self.tokens), ("offsets", np.int64, self.count + 1)):
+            self.raw[kind].close()
+            raw = self.paths[kind].with_suffix(".raw")
+            with open(self.paths[kind], "wb") as f:  # the .npy header np.save writes, then the data
+                header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                          "shape": (count,)}
+                np.lib.format.write_array_header_1_0(f, header)
+                with open(raw, "rb") as data:
+                    shutil.copyfileobj(data, f, 1 << 20)
+            raw.unlink()
+        records = {}
+        for kind, suffix in (("parquet", ".parquet"), ("tokens", ".tokens.npy"), ("offsets", ".offsets.npy")):
+            final = self.out / f"{self.name}{suffix}"
+            with open(self.paths[kind], "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(self.paths[kind], final)
+            records[kind] = {"path": f"{self.name}{suffix}", "bytes": final.stat().st_size, "sha256": sha256_file(final)}
+        parquet = records.pop("parquet")
+        return {"path": parquet["path"], "rows": self.count, "tokens": self.tokens, "bytes": parquet["bytes"],
+                "sha256": parquet["sha256"], "flat": records}
+
+    def abort(self) -> None:
+        if self.parquet is not None:
+            self.parquet.close()
+            for kind, path in self.paths.items():
+                path.unlink(missing_ok=True)
+                if kind != "parquet":
+                    self.raw[kind].close()
+                    path.with_suffix(".raw").unlink(missing_ok=True)
 
 
 def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, valid: np.ndarray,
@@ -128,28 +197,49 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, 
     time.sleep(float(os.environ.get(SLOW_ENV, "0")))
     out = Path(out_dir)
     tok = open_tokenizer(out)
-    rows = {s: [] for s in SPLITS}
-    doc_ids = {s: [] for s in SPLITS}
-    names, doc_id, encode_s = [], doc_id_start, 0.0
-    for i, doc in enumerate(read_unit(unit, text_column, [] if skip_bad else None)):  # the scan's documents
-        if not keep[i]:
-            continue
-        split = "valid" if valid[i] else "train"
-        texts = paragraphs(doc.text)
-        t0 = time.perf_counter()
-        pieces = tok.encode_native(texts)  # the tokenizer alone, timed: bench-corpus's limit
-        encode_s += time.perf_counter() - t0
-        packed = pack_document(tok.to_ours(pieces), max_seq_len, min_seq_len)
-        rows[split] += packed
-        doc_ids[split] += [doc_id] * len(packed)
-        names.append((doc_id, doc.name, split, len(doc.text)))
-        doc_id += 1
-    parts = {s: _write_part(out, s, unit.index, rows[s], doc_ids[s]) for s in SPLITS if rows[s]}
-    docs = {"doc_id": pa.array([n[0] for n in names], pa.int32()), "name": pa.array([n[1] for n in names]),
-            "split": pa.array([n[2] for n in names]), "chars": pa.array([n[3] for n in names], pa.int64())}
-    write_parquet(out / "documents" / f"part-{unit.index:05d}.parquet", docs, pa.schema(
-        [("doc_id", pa.int32()), ("name", pa.string()), ("split", pa.string()), ("chars", pa.int64())]))
-    return {"unit": unit.index, "parts": parts, "documents": len(names), "encode_s": encode_s}
+    writers = {s: PartWriter(out, s, unit.index) for s in SPLITS}  # rows leave memory every FLUSH_ROWS
+    names, documents, doc_id, encode_s = [], 0, doc_id_start, 0.0
+    documents_path = out / "documents" / f"part-{unit.index:05d}.parquet"
+    documents_path.parent.mkdir(parents=True, exist_ok=True)
+    import pyarrow.parquet as pq
+    with atomic_path(documents_path) as tmp, pq.ParquetWriter(tmp, DOCUMENTS_SCHEMA, **PARQUET_OPTIONS) as names_out:
+        try:
+            for i, doc in enumerate(read_unit(unit, text_column, [] if skip_bad else None)):  # the scan's documents
+                if not keep[i]:
+                    continue
+                split = "valid" if valid[i] else "train"
+                texts = paragraphs(doc.text)
+                t0 = time.perf_counter()
+                pieces = tok.encode_native(texts)  # the tokenizer alone, timed: bench-corpus's limit
+                encode_s += time.perf_counter() - t0
+                writers[split].add(pack_document(tok.to_ours(pieces), max_seq_len, min_seq_len), doc_id)
+                names.append((doc_id, doc.name, split, len(doc.text)))
+                doc_id, documents = doc_id + 1, documents + 1
+                if len(names) >= PartWriter.FLUSH_ROWS:
+                    _write_names(names_out, names)
+            _write_names(names_out, names)
+            parts = {s: record for s in SPLITS if (record := writers[s].close())}
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
+    return {"unit": unit.index, "parts": parts, "documents": documents, "encode_s": encode_s}
+
+
+DOCUMENTS_SCHEMA = pa.schema([("doc_id", pa.int32()), ("name", pa.string()), ("split", pa.string()),
+                              ("chars", pa.int64())])
+# write_parquet's options (common/shards.py), for the parts written a row group at a time
+PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": False, "write_statistics": False, "store_schema": True,
+                   "write_page_checksum": True}
+
+
+def _write_names(writer, names: list) -> None:
+    """Append (and clear) documents' records to the unit's documents part."""
+    if names:
+        writer.write_table(pa.table({"doc_id": pa.array([n[0] for n in names], pa.int32()),
+                                     "name": pa.array([n[1] for n in names]), "split": pa.array([n[2] for n in names]),
+                                     "chars": pa.array([n[3] for n in names], pa.int64())}, schema=DOCUMENTS_SCHEMA))
+        names.clear()
 
 
 # --- the driver ---------------------------------------------------------------
@@ -222,8 +312,9 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
     todo = [u for u in units if not paths[u.index].with_suffix(".json").is_file()]
     lines = config.tokenizer.max_sentences
     skip = cfg.on_bad_input == "skip"
-    jobs = [(u, (cfg.text_column, config.seed, cfg.valid_fraction, math.ceil(lines * u.bytes / total_bytes), skip))
-            for u in todo]
+    budget = config.tokenizer.max_sample_mb * 1e6  # characters of the whole sample, shared like the lines
+    jobs = [(u, (cfg.text_column, config.seed, cfg.valid_fraction, math.ceil(lines * u.bytes / total_bytes), skip,
+                 budget * u.bytes / total_bytes)) for u in todo]
     log(f"corpus: scanning {len(todo)} of {len(units)} units (hashes, split, tokenizer sample)")
     _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
     scans = [{"hashes": np.load(paths[u.index].with_suffix(".npy")),

@@ -254,3 +254,50 @@ def test_bad_documents_can_be_skipped_and_counted_by_a_manifest_switch(tmp_path)
     build_corpus(config, config.corpus_dir, **quiet)
     meta = load_corpus_meta(config.corpus_dir)
     assert meta["documents"]["skipped_bad"] == 3 and meta["documents"]["read"] == 5
+
+
+def test_a_part_is_written_as_it_grows_with_the_bytes_of_one_write(tmp_path):
+    """PartWriter flushes every few rows (bounded memory for a unit of any size): the same rows, the
+    .npy files byte for byte what np.save writes for the whole arrays, one Parquet row group a flush."""
+    from corpus.build import PartWriter
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(5, 300, size=rng.integers(3, 12)).astype(np.int32) for _ in range(10)]
+    writer = PartWriter(tmp_path, "train", 3, flush_rows=4)
+    for doc, start in enumerate(range(0, 10, 3)):
+        writer.add(rows[start:start + 3], doc)
+    record = writer.close()
+    assert record["rows"] == 10 and record["tokens"] == sum(map(len, rows))
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    for kind, array in (("tokens", np.concatenate(rows)), ("offsets", offsets)):
+        buffer = __import__("io").BytesIO()
+        np.save(buffer, array)
+        assert (tmp_path / record["flat"][kind]["path"]).read_bytes() == buffer.getvalue()
+    table = read_parquet(tmp_path / record["path"], CORPUS_SCHEMA)
+    assert [list(r) for r in table.column("input_ids").to_pylist()] == [r.tolist() for r in rows]
+    assert table.column("row_id").to_pylist() == list(range(10))
+    assert table.column("doc_id").to_pylist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert pq.ParquetFile(tmp_path / record["path"]).metadata.num_row_groups == 2  # flushed at 6 rows, then 4
+    assert not list(tmp_path.rglob("*.raw")) and not list(tmp_path.rglob(".*tmp*"))
+
+
+def test_a_large_plain_txt_is_cut_into_units_at_line_starts(tmp_path):
+    """One .txt larger than a unit: several units, each a document of whole lines; no line lost or read twice."""
+    lines = [f"line {i} " + "word " * (i % 7) for i in range(3000)]
+    path = tmp_path / "big.txt"
+    path.write_text("\n".join(lines) + "\n")
+    units = work_units(source_files(str(path), tmp_path), 8192)
+    assert len(units) > 5
+    docs = [d for u in units for d in read_unit(u, "text")]
+    assert len(docs) == len(units) and docs[1].name.startswith("big.txt:")
+    assert [l.strip() for d in docs for l in d.text.splitlines()] == [l.strip() for l in lines]
+
+
+def test_the_tokenizer_sample_is_bounded_in_characters_as_well_as_lines(tmp_path):
+    from corpus.build import scan_unit
+    write_text_corpus(tmp_path / "raw", num_docs=4, sentences=240)
+    (unit,) = work_units(source_files(str(tmp_path / "raw"), tmp_path), 1 << 30)
+    free = scan_unit(unit, "text", 7, 0.2, 10_000)
+    bounded = scan_unit(unit, "text", 7, 0.2, 10_000, sample_bytes=5_000)
+    assert sum(len(t) for *_, t in free["sample"]) > 20_000
+    assert 4_000 < sum(len(t) for *_, t in bounded["sample"]) <= 5_000
+    assert set(bounded["sample"]) <= set(free["sample"]) and np.array_equal(free["hashes"], bounded["hashes"])

@@ -177,3 +177,19 @@ def test_reserved_ids_at_either_end_are_never_sampled(dtype, temperature):
         assert out.min() >= NUM_SPECIAL and out.max() < stop
     assert torch.equal(sample_temperature(logits, t, u), sample_temperature(logits, t, u, Reserved()))
 
+
+
+def test_smoothed_one_hot_and_uniform_keep_their_mass_with_an_hf_tokenizers_reserved_tail():
+    """BERT-like: 994 unused entries numbered last get no mass from the sampler, so the distributions
+    normalise over the ids a replacement may be: the original keeps exactly 1 - alpha (before: over
+    V - 5, alpha came out 0.343 instead of 0.35), and uniform is 1 / (the sampled ids) on each."""
+    from common.distributions import _fill_reserved, smoothed_one_hot_log_probs, uniform_log_probs
+    vocab, reserved = 30_522, Reserved(head=5, tail=994)
+    originals = torch.tensor([7, 1000, 29_000])
+    soh = smoothed_one_hot_log_probs(originals, vocab, 0.35, reserved)
+    sampled = torch.softmax(_fill_reserved(soh.clone(), reserved, float("-inf")), dim=-1)
+    torch.testing.assert_close(sampled[torch.arange(3), originals], torch.full((3,), 0.65), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(soh.exp().sum(-1), torch.ones(3), rtol=1e-5, atol=1e-6)  # already a distribution
+    uniform = uniform_log_probs(2, vocab, reserved=reserved).exp()
+    torch.testing.assert_close(uniform.sum(-1), torch.ones(2), rtol=1e-5, atol=1e-6)
+    assert uniform[0, -994:].sum() == 0 and uniform[0, :5].sum() == 0

@@ -66,3 +66,32 @@ def test_electra_objective_learns_and_its_checkpoint_keeps_the_sharing(built, ge
     for name in SHARED:
         assert pair.generator.get_parameter(name) is pair.discriminator.get_parameter(name)
         assert torch.equal(pair.discriminator.get_parameter(name), state["model"][f"discriminator.{name}"])
+
+
+def test_an_hf_tokenizers_reserved_ids_are_never_masked_nor_sampled_by_the_generator(built):
+    """An hf: tokenizer numbers its other special and [unusedN] entries last (common.tokenizer.Reserved):
+    a literal [unusedN] in the text is never masked, and ELECTRA's generator never samples one, even when
+    its head prefers it above everything."""
+    import numpy as np
+    import torch
+    from common.curriculum import choose_masked_positions, masked_count, num_to_mask, row_rng
+    from common.tokenizer import Reserved
+    from train.objectives import electra_tensors
+    vocab, reserved = 320, Reserved(head=5, tail=20)  # ids 300..319 reserved
+    rows = [np.array([2, *range(290, 310), *range(5, 25), 3], dtype=np.int32) for _ in range(4)]
+    for r in rows[:1]:
+        positions = choose_masked_positions(r, 0.5, row_rng(1, 0, 0), reserved, vocab)
+        assert len(positions) == num_to_mask(30, 0.5) and not np.isin(r[positions], np.arange(300, 320)).any()
+    assert masked_count(rows, 0.15, reserved, vocab) == 4 * num_to_mask(30, 0.15)
+    pair = ElectraPair(built.model, vocab, reserved).eval()
+    with torch.no_grad():
+        pair.generator.head.bias[vocab - 1] = 1e4  # the generator would sample the last id every time
+    captured = []
+    real = pair.discriminator.forward
+    pair.discriminator.forward = lambda ids, attn: (captured.append(ids), real(ids, attn))[1]
+    batch = electra_tensors({"input_ids": rows, "row_id": np.arange(4), "epoch": np.zeros(4, int)}, 1, 0.15,
+                            reserved, vocab)
+    with torch.no_grad():
+        pair(*(batch[k] for k in ("masked_ids", "attention_mask", "masked_flags", "original_ids", "uniforms")))
+    sampled = captured[0][batch["masked_flags"]]
+    assert len(sampled) == 4 * num_to_mask(30, 0.15) and int(sampled.max()) < 300

@@ -28,6 +28,7 @@ from common.curriculum import AUX_MLM_STREAM, VALID_EPOCH
 from common.memory import LOGIT_CHUNK_ENTRIES  # 2^26 fp32 logits (256 MiB): 524 positions at 128K entries
 from common.model import MaskedLM
 from common.plan import epoch_order
+from common.tokenizer import Reserved
 from train.objectives import MLM_INPUTS, masked_inputs
 
 
@@ -77,11 +78,11 @@ class MLMObjective(MaskedLM):
         return F.cross_entropy(logits, targets, reduction="sum"), (logits.detach().argmax(-1) == targets).sum()
 
 
-def mlm_tensors(rows: dict, seed: int, mask_prob: float) -> dict:
+def mlm_tensors(rows: dict, seed: int, mask_prob: float, reserved: Reserved = Reserved(), vocab_size: int = 0) -> dict:
     """Corpus rows -> [MASK]ed inputs, attention mask, masked flags and the original ids at the flags."""
     lengths = [len(r) for r in rows["input_ids"]]
     batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths),
-                          stream=AUX_MLM_STREAM)
+                          stream=AUX_MLM_STREAM, reserved=reserved, vocab_size=vocab_size)
     return {"masked_ids": batch["masked_ids"], "attention_mask": attention_mask(lengths, max(lengths)),
             "masked_flags": batch["masked_flags"], "targets": batch["original_ids"][batch["masked_flags"]]}
 
@@ -100,13 +101,13 @@ class ValidRows:
 
 
 @torch.no_grad()
-def evaluate_mlm(model: MLMObjective, valid: ValidRows, device, autocast, seed: int, mask_prob: float,
-                 batch_size: int = 64) -> dict:
-    """MLM loss per masked token and top-1 accuracy on the validation rows."""
+def evaluate_mlm(model: MLMObjective, valid: ValidRows, device, autocast, to_batch, batch_size: int = 64) -> dict:
+    """MLM loss per masked token and top-1 accuracy on the validation rows (`to_batch`: `mlm_tensors`
+    with the run's seed, mask rate and reserved ids)."""
     model.eval()
     loss_sum, hits, count = 0.0, 0, 0
     for start in range(0, valid.num_rows, batch_size):
-        batch = mlm_tensors(valid.rows(start, min(start + batch_size, valid.num_rows)), seed, mask_prob)
+        batch = to_batch(valid.rows(start, min(start + batch_size, valid.num_rows)))
         with autocast:
             loss, hit = model(*(batch[k].to(device) for k in MLM_INPUTS))
         loss_sum, hits, count = loss_sum + float(loss), hits + int(hit), count + len(batch["targets"])

@@ -21,7 +21,7 @@ from common.batching import attention_mask
 from common.config import ModelConfig
 from common.curriculum import GENERATOR_STREAM, row_draws, sample_replacements
 from common.model import MaskedLM, ReplacedTokenDetector
-from common.tokenizer import MASK_ID
+from common.tokenizer import MASK_ID, Reserved
 
 
 def generator_layers(cfg: ModelConfig) -> int:
@@ -32,8 +32,9 @@ def generator_layers(cfg: ModelConfig) -> int:
 class ElectraPair(nn.Module):
     """Generator + discriminator with shared token embeddings and embedding LayerNorm."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, reserved: Reserved = Reserved()):
         super().__init__()
+        self.reserved = reserved  # never sampled: the specials, and an hf: tokenizer's unused entries
         self.discriminator = ReplacedTokenDetector(cfg, vocab_size)
         self.generator = MaskedLM(cfg, vocab_size, generator_layers(cfg))
         shared = self.discriminator.encoder
@@ -49,7 +50,7 @@ class ElectraPair(nn.Module):
         mlm_sum = F.cross_entropy(gen_logits.float(), originals, reduction="sum")
         with torch.no_grad():  # no gradient through the sampling (paper section 2)
             ones = torch.ones(len(originals), device=gen_logits.device)
-            sampled = sample_replacements(gen_logits.detach(), ones, uniforms)
+            sampled = sample_replacements(gen_logits.detach(), ones, uniforms, self.reserved)
             corrupted = original_ids.masked_scatter(masked_flags, sampled)
             labels = (corrupted != original_ids).float()
             hits = (gen_logits.argmax(-1) == originals).sum()
@@ -57,7 +58,8 @@ class ElectraPair(nn.Module):
 
 
 def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray | int, seed: int,
-                  mask_prob: float, pad_to: int, stream: int = GENERATOR_STREAM) -> dict:
+                  mask_prob: float, pad_to: int, stream: int = GENERATOR_STREAM, reserved: Reserved = Reserved(),
+                  vocab_size: int = 0) -> dict:
     """Per row: masked positions and sampling uniforms drawn exactly as generate/ draws them (or from
     the aux model's own `stream`), as padded tensors: original_ids, masked_ids, masked_flags, uniforms
     (row-major over flags)."""
@@ -66,7 +68,7 @@ def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray
     flags = torch.zeros((len(rows), pad_to), dtype=torch.bool)
     uniforms = []
     for i, (r, rid, e) in enumerate(zip(rows, row_ids, epochs)):
-        pos, u, _ = row_draws(r, mask_prob, seed, int(e), int(rid), stream)
+        pos, u, _ = row_draws(r, mask_prob, seed, int(e), int(rid), stream, reserved, vocab_size)
         uniforms.append(u)
         original[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
         flags[i, torch.from_numpy(pos)] = True
@@ -74,10 +76,12 @@ def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray
             "uniforms": torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))}
 
 
-def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15) -> dict:
+def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15, reserved: Reserved = Reserved(),
+                    vocab_size: int = 0) -> dict:
     """`electra`: original rows -> padded originals, [MASK]ed inputs, masked flags and uniforms."""
     lengths = [len(r) for r in rows["input_ids"]]
-    batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths))
+    batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths),
+                          reserved=reserved, vocab_size=vocab_size)
     return {**batch, "attention_mask": attention_mask(lengths, max(lengths))}
 
 

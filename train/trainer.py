@@ -25,6 +25,7 @@ from tqdm import tqdm
 from common.checkpoint import AUX_FILE, latest_checkpoint
 from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
 from common.corpus import load_corpus_meta
+from common.tokenizer import Reserved, tokenizer_reserved
 from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
 from common.io import FolderLock, atomic_write_json, atomic_write_text
@@ -90,13 +91,13 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
 
 
 def accumulate(ddp_model, micro_rows: list[dict], to_batch, device, autocast, world: int, objective_name: str,
-               electra_lambda: float, mask_prob: float):
+               electra_lambda: float, count_masked):
     """Forward and backward over this rank's micro-batches of one update, each made into tensors only when
     its turn comes (DDP syncs on the last). Returns the global loss (RTD per token; MLM per masked position
     for `mlm`), the MLM loss and top-1 (electra's generator, or `mlm`'s) and the token count."""
     mlm_kind = objective_name in ("electra", "mlm")
     local_tokens = sum(len(r) for rows in micro_rows for r in rows["input_ids"])
-    local_masked = sum(masked_count(rows["input_ids"], mask_prob) for rows in micro_rows) if mlm_kind else 0
+    local_masked = sum(count_masked(rows["input_ids"]) for rows in micro_rows) if mlm_kind else 0
     global_tokens, global_masked = all_reduce([float(local_tokens), float(local_masked)], world)
     loss_sum, mlm_sum, mlm_hits = 0.0, 0.0, 0.0
     for i, rows in enumerate(micro_rows):
@@ -118,12 +119,13 @@ def accumulate(ddp_model, micro_rows: list[dict], to_batch, device, autocast, wo
 
 
 def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_batch, device, autocast, world: int,
-           tc, mask_prob: float) -> tuple[float, dict, float, float, bool]:
+           tc, count_masked=None) -> tuple[float, dict, float, float, bool]:
     """One training update: forward and backward over the micro-batches, clip, step, schedule. A non-finite
     loss or gradient norm skips the optimizer step (the schedule still moves on: it indexes the rows, the
-    lr and the temperature). Returns (loss, extra metrics, global tokens, gradient norm, stepped)."""
+    lr and the temperature). `count_masked(rows)`: how many positions `to_batch` masks in them (the MLM
+    losses' normaliser). Returns (loss, extra metrics, global tokens, gradient norm, stepped)."""
     loss, extra, tokens = accumulate(ddp_model, micro_rows, to_batch, device, autocast, world, tc.objective,
-                                     tc.electra_lambda, mask_prob)
+                                     tc.electra_lambda, count_masked)
     grad_norm = float("nan")
     if math.isfinite(loss):
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm))
@@ -136,14 +138,15 @@ def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_ba
     return loss, extra, tokens, grad_norm, stepped
 
 
-def build_model(config: RunConfig, vocab_size: int, prior: float, device: torch.device) -> tuple:
+def build_model(config: RunConfig, vocab_size: int, prior: float, device: torch.device,
+                reserved: Reserved = Reserved()) -> tuple:
     """(the model to train, the detector that validation scores): the same initial weights on every rank."""
     torch.manual_seed(config.train.seed)
     if config.train.objective == "mlm":  # the aux model: its own depth, no RTD head
         model = MLMObjective(config.model, vocab_size, config.model.num_layers).to(device)
         return model, model
     if config.train.objective == "electra":  # generator + discriminator, embeddings shared
-        model = ElectraPair(config.model, vocab_size).to(device)
+        model = ElectraPair(config.model, vocab_size, reserved).to(device)
         detector = model.discriminator
     else:
         model = detector = ReplacedTokenDetector(config.model, vocab_size).to(device)
@@ -206,7 +209,15 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         total_steps = min(total_steps, tc.max_steps)
     dropped_rows = stream.num_rows - total_steps * tc.batch_size
 
-    model, detector = build_model(config, vocab_size, prior, device)
+    # the ids never masked nor sampled: the specials, and an hf: tokenizer's unused entries
+    corpus_dir = Path(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    reserved = tokenizer_reserved(corpus_dir) if tc.objective in ("electra", "mlm") else Reserved()
+    mask_prob = config.aux.mask_prob if mlm else config.generate.mask_prob
+    masking = {"seed": config.seed, "mask_prob": mask_prob, "reserved": reserved, "vocab_size": vocab_size}
+    to_batch = (partial(mlm_tensors, **masking) if mlm else partial(electra_tensors, **masking)
+                if tc.objective == "electra" else to_tensors)
+    count_masked = partial(masked_count, mask_prob=mask_prob, reserved=reserved, vocab_size=vocab_size)
+    model, detector = build_model(config, vocab_size, prior, device, reserved)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                 tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, tc.warmup_steps, total_steps)
@@ -217,7 +228,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     torch.manual_seed(tc.seed + 1000 + rank)  # dropout stream of this rank
 
     ckpt_dir, progress = run_dir / "checkpoints", state.Progress()
-    evaluate_now = partial(evaluate_mlm, seed=config.seed, mask_prob=config.aux.mask_prob) if mlm else evaluate
+    evaluate_now = partial(evaluate_mlm, to_batch=to_batch) if mlm else evaluate
     if args.resume and (restored := state.restore(ckpt_dir, model, optimizer, scheduler, config, manifest_hash,
                                                   data_desc, rank, world, device)):
         path, progress = restored
@@ -249,9 +260,6 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
 
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")  # fetches step s+1 during step s
     next_rows = reader.submit(read_step, progress.step)
-    mask_prob = config.aux.mask_prob if mlm else config.generate.mask_prob
-    to_batch = (partial(mlm_tensors, seed=config.seed, mask_prob=mask_prob) if mlm else
-                partial(electra_tensors, seed=config.seed, mask_prob=mask_prob) if electra else to_tensors)
     bar = tqdm(total=total_steps, initial=progress.step, desc="aux MLM" if mlm else "train", unit="step",
                disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps, last_plot = time.time(), 0, [math.inf, -math.inf], -math.inf
@@ -273,7 +281,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         micro_rows = [{k: v[i * micro:(i + 1) * micro] for k, v in rows.items()} for i in range(accum)]
         lr = scheduler.get_last_lr()[0]
         step_loss, extra, global_tokens, grad_norm, stepped = update(ddp_model, model, optimizer, scheduler, micro_rows,
-                                                                     to_batch, device, autocast, world, tc, mask_prob)
+                                                                     to_batch, device, autocast, world, tc, count_masked)
         if stepped:
             progress.nonfinite_run = 0
         else:  # the update was skipped; stop after too many in a row
