@@ -60,12 +60,29 @@ class SplitRows:
         return np.array(self.tokens[k][offsets[j]:offsets[j + 1]])  # a copy, never a view of the map
 
 
+def npy_chunks(path: str | Path, chunk: int = 1 << 22):
+    """The 1-d array in an .npy file, `chunk` values at a time, read with plain reads: bounded memory
+    whatever the file's size (a memory map would keep every page it touched resident)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        remaining = int(np.prod(shape))
+        while remaining:
+            count = min(chunk, remaining)
+            values = np.fromfile(f, dtype=dtype, count=count)
+            if len(values) != count:
+                raise CorpusError(f"{path} ends before its {int(np.prod(shape))} values; rebuild the corpus")
+            remaining -= count
+            yield values
+
+
 def count_terms(token_files, vocab_size: int) -> np.ndarray:
-    """Occurrences of every id in the token files, int64 (vocab_size,). Each file is read whole, then
-    freed: one part in memory at a time (a memory map would keep every page it touched resident)."""
+    """Occurrences of every id in the token files, int64 (vocab_size,), read a chunk at a time."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for path in token_files:
-        counts += np.bincount(np.load(path), minlength=vocab_size)[:vocab_size]
+        for values in npy_chunks(path):
+            counts += np.bincount(values, minlength=vocab_size)[:vocab_size]
     return counts
 
 
