@@ -127,8 +127,3 @@ def load_split(corpus_dir: str | Path, split: str) -> list[np.ndarray]:
     """All rows of one split in a list, for small corpora and tests (the stages use `SplitRows`)."""
     rows = SplitRows(corpus_dir, split)
     return [rows[i] for i in range(len(rows))]
-
-
-if __name__ == "__main__":  # the old name of `python -m corpus`, kept for one release
-    import runpy
-    runpy.run_module("corpus", run_name="__main__", alter_sys=True)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from common.distributions import sample_temperature
-from common.tokenizer import MASK_ID, SPECIAL_IDS, Reserved
+from common.tokenizer import Reserved
 
 OURS = Reserved()  # our tokenizer's reserved ids: the five specials
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from common.io import atomic_write_json, sha256_file
-from common.tokenizer import Reserved
+from common.vocab import Reserved
 
 PREFIX = "hf:"
 TOKENIZER_DIR = "hf_tokenizer"  # the tokenizer's own files, copied into the corpus folder

@@ -49,6 +49,28 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def append_record(path: str | Path, record: dict) -> None:
+    """Append one JSON line to a progress file and make it durable (a killed job's work is not lost)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: str | Path, key: str) -> dict:
+    """The records of a progress file by `record[key]`, the last one winning; a torn last line (a kill
+    mid-write) is ignored."""
+    records = {}
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            records[record[key]] = record
+    return records
+
+
 def atomic_write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 

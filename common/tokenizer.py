@@ -16,7 +16,6 @@ import hashlib
 import io
 import itertools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -25,33 +24,10 @@ import sentencepiece as spm
 
 from common.io import atomic_write_json, atomic_path, sha256_file
 
-PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
-SPECIAL_IDS = (PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID)
-SPECIAL_PIECES = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+from common.vocab import CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_IDS, SPECIAL_PIECES, UNK_ID, Reserved  # noqa: F401
+
 MODEL_FILE = "tokenizer.model"
 META_FILE = "tokenizer.json"
-
-
-@dataclass(frozen=True)
-class Reserved:
-    """The ids never sampled as a replacement: the first `head` of the vocabulary (the five specials) and its
-    last `tail`. Ours reserve the specials only; an hf: tokenizer (common/hf.py) numbers its other special
-    tokens and unused entries last, so that its frequent pieces get the small ids that compress best."""
-    head: int = len(SPECIAL_IDS)
-    tail: int = 0
-
-    def __post_init__(self):
-        assert self.head >= len(SPECIAL_IDS) and self.tail >= 0, self
-
-    def stop(self, vocab_size: int) -> int:
-        """The end of the ids a replacement may be: [head, stop)."""
-        return vocab_size - self.tail
-
-    @classmethod
-    def of(cls, meta: dict) -> "Reserved":
-        """From a tokenizer's or aux model's metadata: `reserved` (the head) and `reserved_tail`; files written
-        before the tail existed numbered an hf: tokenizer's reserved block right after the specials."""
-        return cls(int(meta.get("reserved") or len(SPECIAL_IDS)), int(meta.get("reserved_tail") or 0))
 
 
 def frequency_order(counts: np.ndarray) -> np.ndarray:

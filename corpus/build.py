@@ -30,8 +30,8 @@ import pyarrow as pa
 
 from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
-from common.io import (FolderLock, atomic_path, atomic_write_json, atomic_write_text, publish_folder, remove_stale_tmp,
-                       sha256_file, tmp_path_for)
+from common.io import (FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text, publish_folder,
+                       read_records, remove_stale_tmp, sha256_file, tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
                             source_files, work_units)
@@ -159,7 +159,6 @@ class PartWriter:
         if self.parquet is None:
             return None
         self.parquet.close()
-        flat = {}
         for kind, dtype, count in (("tokens", np.int32, self.tokens), ("offsets", np.int64, self.count + 1)):
             self.raw[kind].close()
             raw = self.paths[kind].with_suffix(".raw")
@@ -371,15 +370,7 @@ def _train_tokenizer(scans, keeps, valids, config: RunConfig, staging: Path, log
 
 
 def _read_progress(staging: Path) -> dict[int, dict]:
-    path, records = staging / "progress.jsonl", {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line of a killed build
-            records[record["unit"]] = record
-    return records
+    return read_records(staging / "progress.jsonl", "unit")
 
 
 def _part_intact(staging: Path, part: dict) -> bool:
@@ -471,10 +462,7 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
                  cfg.max_seq_len, cfg.min_seq_len, cfg.on_bad_input == "skip")) for u in units if u.index not in done]
 
     def record(result):
-        with open(staging / "progress.jsonl", "a") as f:
-            f.write(json.dumps(result, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_record(staging / "progress.jsonl", result)
         done[result["unit"]] = result
 
     log(f"corpus: packing {len(jobs)} of {len(units)} units ({len(units) - len(jobs)} already done)")

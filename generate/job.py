@@ -9,7 +9,6 @@ every row's randomness is seeded from (seed, epoch, row id).
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -20,6 +19,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from common.io import append_record, read_records
 from common.parallel import start_ray as common_start_ray
 from common.plan import ShardTask
 
@@ -58,24 +58,12 @@ class ShardActor:
 
 
 def read_progress(out_dir: Path) -> dict[str, dict]:
-    """Shard records of an earlier (maybe killed) run; a torn last line is ignored."""
-    path = out_dir / PROGRESS_FILE
-    records = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            records[record["path"]] = record
-    return records
+    """Shard records of an earlier (maybe killed) run, by path."""
+    return read_records(out_dir / PROGRESS_FILE, "path")
 
 
 def append_progress(out_dir: Path, record: dict) -> None:
-    with open(out_dir / PROGRESS_FILE, "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_record(out_dir / PROGRESS_FILE, record)
 
 
 def start_ray(address: str | None, workers: int) -> None:

@@ -202,7 +202,6 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         raise DataError(f"{data_desc} holds {stream.num_rows} training rows; train.max_steps {tc.max_steps} x "
                         f"train.batch_size {tc.batch_size} needs {needed}. Generate a stream for this budget "
                         f"(generate.epochs = 0 derives the epochs from it) or set train.allow_short_stream = true")
-    electra = tc.objective == "electra"  # `detector` below is what validation scores
     # 32 rows x 128 tokens = 4096 tokens per update on the tiny preset.
     total_steps = stream.num_rows // tc.batch_size
     if tc.max_steps:
