@@ -36,3 +36,16 @@ def test_bench_train_writes_the_design_keys(generated, tmp_path, capsys):
         assert result[key] > 0, key
     assert 0 < result["optimizer_step_ratio"] and result["optimizer_step_s_fused_median"] > 0
     assert "| update on shards / on an in-memory batch" in (tmp_path / f"{stem}.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_train_times_the_trainers_own_update_function(generated, tmp_path, monkeypatch):
+    """Every update bench-train times is a call of `train.trainer.update`, the function the trainer's
+    loop calls (counted through a wrapper that calls it: the update itself runs unchanged)."""
+    import train.trainer as trainer
+    manifest, data, _ = generated
+    calls, real = [], trainer.update
+    monkeypatch.setattr(trainer, "update", lambda *a, **k: (calls.append(len(a[4])), real(*a, **k))[1])
+    assert bench_train.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2", "--block", "1",
+                             "--out", str(tmp_path)]) == 0
+    assert len(calls) == 2 + 2 * 2  # 2 warm-up updates, then 2 timed updates in each of the two modes
