@@ -29,6 +29,7 @@ online's n * t_on from n >= g / (t_on - t_off).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -50,13 +51,15 @@ import torch
 from bench.flops import PRESETS, Encoder, encoder_forward_flops, output_layer_flops
 from common.checkpoint import AUX_FILE, save_aux
 from common.cpu_memory import keep_freed_memory
+from common.curriculum import masked_count
 from common.config import config_from_dict, config_to_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from common.corpus import load_corpus_meta
 from common.model import MaskedLM, ReplacedTokenDetector
 from common.optim import build_optimizer, build_scheduler
 from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
-from train.objectives import electra_tensors, forward_losses, objective
+import train.trainer as trainer
+from train.objectives import electra_tensors
 from train.data import load_data_manifest, to_tensors, training_stream
 from train.objectives import ElectraPair, generator_layers
 from train.online import OnlineStream
@@ -143,6 +146,8 @@ class Mode:
         self.scheduler = build_scheduler(self.optimizer, tc.warmup_steps, 10_000)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
         self.to_batch = partial(electra_tensors, seed=config.seed, mask_prob=g.mask_prob) if name == "electra" else to_tensors
+        self.tc = dataclasses.replace(tc, objective=name)  # what the trainer's update function reads
+        self.count_masked = partial(masked_count, mask_prob=g.mask_prob)
         self.position = 0
 
     def step(self) -> None:
@@ -151,17 +156,9 @@ class Mode:
             self.position = 0
         rows = self.stream.rows(self.position, self.position + b)
         self.position += b
-        batch = self.to_batch(rows)
-        electra = self.name == "electra"
-        with self.autocast:  # the trainer's own loss (train/objectives.py)
-            rtd, mlm, _ = forward_losses(self.model, batch, self.device, electra)
-            loss = objective(rtd, mlm, float(batch["attention_mask"].sum()),
-                             float(batch["masked_flags"].sum()) if electra else 0.0, self.config.train.electra_lambda)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.clip_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        # the trainer's own update (train.trainer.update): its loss, backward, clip, AdamW, schedule
+        trainer.update(self.model, self.model, self.optimizer, self.scheduler, [rows], self.to_batch, self.device,
+                       self.autocast, 1, self.tc, self.count_masked)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -38,7 +38,12 @@ def token_embedding_rows(model) -> set[int]:
     return {m.embed.num_embeddings for m in model.modules() if isinstance(m, Encoder)}
 
 
-def test_every_mode_runs_with_the_papers_vocabulary(built, tmp_path):
+def test_every_mode_runs_with_the_papers_vocabulary(built, tmp_path, monkeypatch):
+    """... and every update each mode times is a call of the trainer's own update function (counted
+    through a wrapper that calls it)."""
+    import train.trainer as trainer
+    calls, real = [], trainer.update
+    monkeypatch.setattr(trainer, "update", lambda *a, **k: (calls.append(a[9].objective), real(*a, **k))[1])
     config = built
     vocab = resolve_vocab("paper", config)
     assert vocab == paper_vocab(config.model.hidden_size) == round(128000 * 32 / 768) > config.tokenizer.vocab_size
@@ -62,6 +67,7 @@ def test_every_mode_runs_with_the_papers_vocabulary(built, tmp_path):
             assert any(not torch.equal(a, p) for a, p in zip(before, mode.model.parameters())), name
             assert all(torch.isfinite(p).all() for p in mode.model.parameters()), name
     assert not aux_path.exists()  # the random aux lived in a temporary folder
+    assert calls == [name for name in MODES for _ in range(2)]
 
 
 def test_bigger_vocabulary_lowers_the_offline_to_electra_ratio(built):
