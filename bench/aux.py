@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -100,13 +101,8 @@ def measure(manifest: str, seq_len: int, batch: int, micro: int, steps: int = 2,
     """`probe` in a fresh process, so each peak is its own."""
     cmd = [sys.executable, "-m", "bench.aux", "--probe", json.dumps([manifest, seq_len, batch, micro, steps, layers,
                                                                      hidden, vocab, objective])]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={"OMP_NUM_THREADS": "2", **_env()})
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _env() -> dict:
-    import os
-    return dict(os.environ)
 
 
 def main(argv=None) -> int:

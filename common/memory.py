@@ -29,7 +29,7 @@ ACT_HIDDEN = 14.0
 ACT_FFN = 3.0
 ACT_ATTENTION = 2.0
 RUNTIME_BYTES = {"cpu": 330 * 2**20, "cuda": 1024 * 2**20}
-# fp32 logits of one chunk of masked positions (train/mlm.py keeps it in step: a test checks they agree)
+# fp32 logits of one chunk of masked positions (train/mlm.py chunks by this constant)
 LOGIT_CHUNK_ENTRIES = 2**26
 
 

@@ -2,6 +2,7 @@
 Ray build (same bytes for any worker count, resumable after kill -9), and clear errors."""
 import gzip
 import hashlib
+import io
 import json
 import os
 import signal
@@ -269,7 +270,7 @@ def test_a_part_is_written_as_it_grows_with_the_bytes_of_one_write(tmp_path):
     assert record["rows"] == 10 and record["tokens"] == sum(map(len, rows))
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
     for kind, array in (("tokens", np.concatenate(rows)), ("offsets", offsets)):
-        buffer = __import__("io").BytesIO()
+        buffer = io.BytesIO()
         np.save(buffer, array)
         assert (tmp_path / record["flat"][kind]["path"]).read_bytes() == buffer.getvalue()
     table = read_parquet(tmp_path / record["path"], CORPUS_SCHEMA)

@@ -30,6 +30,7 @@ from common.model import MaskedLM
 from common.plan import epoch_order
 from common.tokenizer import Reserved
 from train.objectives import MLM_INPUTS, masked_inputs
+from train.online import RowsInMemory
 
 
 def chunk_positions(vocab_size: int) -> int:
@@ -87,21 +88,15 @@ def mlm_tensors(rows: dict, seed: int, mask_prob: float, reserved: Reserved = Re
             "masked_flags": batch["masked_flags"], "targets": batch["original_ids"][batch["masked_flags"]]}
 
 
-class ValidRows:
-    """The first `count` held-out rows, masked once from the aux stream at the validation epoch."""
-
-    def __init__(self, corpus_dir: Path, count: int):
-        rows = SplitRows(corpus_dir, "valid")
-        ids = np.arange(min(count, len(rows)))
-        self.data = {"input_ids": [rows[int(i)] for i in ids], "row_id": ids, "epoch": np.full(len(ids), VALID_EPOCH)}
-        self.num_rows = len(ids)
-
-    def rows(self, start: int, stop: int) -> dict:
-        return {k: v[start:stop] for k, v in self.data.items()}
+def valid_rows(corpus_dir: Path, count: int) -> RowsInMemory:
+    """The first `count` held-out rows, masked (by `mlm_tensors`) at the validation epoch."""
+    rows = SplitRows(corpus_dir, "valid")
+    ids = np.arange(min(count, len(rows)))
+    return RowsInMemory({"input_ids": [rows[int(i)] for i in ids], "row_id": ids, "epoch": np.full(len(ids), VALID_EPOCH)})
 
 
 @torch.no_grad()
-def evaluate_mlm(model: MLMObjective, valid: ValidRows, device, autocast, to_batch, batch_size: int = 64) -> dict:
+def evaluate_mlm(model: MLMObjective, valid: RowsInMemory, device, autocast, to_batch, batch_size: int = 64) -> dict:
     """MLM loss per masked token and top-1 accuracy on the validation rows (`to_batch`: `mlm_tensors`
     with the run's seed, mask rate and reserved ids)."""
     model.eval()
@@ -122,4 +117,4 @@ def mlm_streams(config: RunConfig, corpus_dir: Path) -> tuple:
     stream = CorpusStream(corpus_dir, config.train.max_steps * config.train.batch_size, config.seed)
     parts = {split: [p["sha256"] for p in meta[split]["parts"]] for split in ("train", "valid")}
     key = hashlib.sha256(json.dumps({"mlm": parts, "tokenizer": meta["tokenizer_sha256"]}).encode()).hexdigest()
-    return stream, ValidRows(corpus_dir, config.aux.valid_rows), meta["vocab_size"], key
+    return stream, valid_rows(corpus_dir, config.aux.valid_rows), meta["vocab_size"], key
