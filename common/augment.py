@@ -3,19 +3,15 @@
 Temperature scaling and logarithmic interpolation change the output distribution and live
 in `common.distributions`. Here: drop-token (the aux input) and dropout / attention
 dropout at a per-row rate gamma (the aux modules). The aux model stays frozen and
-untouched: `forward_with_dropout` is the aux forward of `common.model` with dropout
-applied per row, each row's masks drawn from a generator of its own seeded from (seed, epoch,
-row id), so they do not depend on the rows it is batched with (the generator batches a shard,
+untouched: `RowDropout` is dropout applied per row inside the model's own encoder forward,
+each row's masks drawn from a generator of its own seeded from (seed, epoch, row id), so they do not depend on the rows it is batched with (the generator batches a shard,
 fast-online a rank's slice: the same rows, the same masks); at rate 0 it equals the model's
 own forward (a test checks it).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from common.curriculum import num_to_mask
 from common.model import MaskedLM
@@ -65,35 +61,23 @@ def _dropout(x: torch.Tensor, rates: torch.Tensor | None, gens: list | None, len
     return x * (mask / keep).to(x.dtype)
 
 
-def _layer(layer, x, bias, dropout, attention_dropout, gens, lengths):
-    """`common.model.EncoderLayer.forward` with per-row dropout (paper appendix C)."""
-    batch, length, width = x.shape
-    qkv = layer.qkv(layer.ln_attn(x))
-    q, k, v = qkv.view(batch, length, 3, layer.num_heads, width // layer.num_heads).permute(2, 0, 3, 1, 4)
-    if attention_dropout is None:
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    else:  # dropout on the attention probabilities, as scaled_dot_product_attention's dropout_p does
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + bias
-        attn = _dropout(torch.softmax(scores, dim=-1), attention_dropout, gens, lengths) @ v
-    attn = attn.transpose(1, 2).reshape(batch, length, width)
-    x = x + _dropout(layer.out(attn), dropout, gens, lengths)
-    h = layer.ffn_out(F.gelu(layer.ffn_in(layer.ln_ffn(x))))
-    return x + _dropout(h, dropout, gens, lengths)
+class RowDropout:
+    """Per-row dropout for `common.model.Encoder.forward(..., drop=)` (paper appendix C): activations
+    (embeddings, residual branches) at rate `dropout[b]` and / or attention probabilities at rate
+    `attention_dropout[b]` for row b, drawn from `generators[b]` in the order the encoder reaches them."""
+
+    def __init__(self, attention_mask: torch.Tensor, dropout: torch.Tensor | None = None,
+                 attention_dropout: torch.Tensor | None = None, generators: list | None = None):
+        lengths = attention_mask.sum(1).tolist()
+        self.hidden = lambda x: _dropout(x, dropout, generators, lengths)
+        self.attention = None if attention_dropout is None else (
+            lambda probs: _dropout(probs, attention_dropout, generators, lengths))
 
 
 def forward_with_dropout(model: MaskedLM, input_ids, attention_mask, masked_positions,
                          dropout: torch.Tensor | None = None, attention_dropout: torch.Tensor | None = None,
                          generators: list | None = None) -> torch.Tensor:
-    """Appendix C, 'Dropout' / 'Drop attention': the aux MLM forward with every activation dropout
-    (embeddings, residual branches) at rate `dropout[b]` and / or every attention dropout at rate
-    `attention_dropout[b]` for row b, its masks drawn from `generators[b]` (`row_generators`).
-    Returns logits (num_masked, vocab) like `MaskedLM.forward`."""
-    enc = model.encoder
-    lengths = attention_mask.sum(1).tolist()
-    x = _dropout(enc.ln_embed(enc.embed(input_ids)), dropout, generators, lengths)
-    pad = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
-    pad = pad.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
-    bias = enc.rel_bias(input_ids.shape[1]).to(x.dtype) + pad
-    for layer in enc.layers:
-        x = _layer(layer, x, bias, dropout, attention_dropout, generators, lengths)
-    return model.head(enc.ln_final(x)[masked_positions])
+    """Appendix C, 'Dropout' / 'Drop attention': the aux MLM forward (the model's own encoder) with
+    `RowDropout`. Returns logits (num_masked, vocab) like `MaskedLM.forward`."""
+    drop = RowDropout(attention_mask, dropout, attention_dropout, generators)
+    return model.logits(model.masked_hidden(input_ids, attention_mask, masked_positions, drop))

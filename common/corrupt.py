@@ -8,12 +8,13 @@ without Ray.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from common.augment import drop_tokens, forward_with_dropout, row_generators
+from common.augment import RowDropout, drop_tokens, row_generators
 from common.batching import attention_mask, length_batches, pad_rows
 from common.checkpoint import load_aux
 from common.config import GenerateConfig
@@ -21,6 +22,7 @@ from common.corpus import term_counts
 from common.curriculum import row_draws, rtd_labels
 from common.distributions import (aux_log_probs, log_interpolation, sample_from_log_weights, sample_temperature,
                                   smoothed_one_hot_log_probs, term_frequency_log_probs, uniform_log_probs)
+from common.memory import LOGIT_CHUNK_ENTRIES
 from common.tokenizer import MASK_ID, Reserved
 
 
@@ -47,6 +49,9 @@ class Corruptor:
             raise ValueError(f"distribution {distribution!r} / augmentation {augmentation!r} needs term counts")
         # bf16 autocast for the aux forward on GPU; softmax and sampling stay in fp32.
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+        # Sampling holds one chunk of positions x V logits at a time (2^26 entries: 524 positions at 128K).
+        self.chunk_entries = LOGIT_CHUNK_ENTRIES
+        self.device_seconds = 0.0  # time in `sample` (aux forward and sampling), for the benchmarks
 
     @classmethod
     def from_config(cls, aux_path: str | Path, seed: int, cfg: GenerateConfig, corpus_dir: str | Path,
@@ -80,13 +85,18 @@ class Corruptor:
             batches.append((batch, ids, attn, flags.to(self.device)))
         return positions, uniforms, batches
 
-    def aux_logits(self, ids, attn, flags, dropout=None, attention_dropout=None, generators=None) -> torch.Tensor:
-        """The aux forward; with per-row `dropout` / `attention_dropout` rates (appendix C), each row's masks
-        drawn from its own generator (`common.augment.row_generators`)."""
+    def aux_logits(self, ids, attn, flags) -> torch.Tensor:
+        """The aux model's logits at the masked positions of a batch, all at once (benchmarks)."""
         with self.autocast or contextlib.nullcontext():
-            if dropout is None and attention_dropout is None:
-                return self.model(ids, attn, flags)
-            return forward_with_dropout(self.model, ids, attn, flags, dropout, attention_dropout, generators)
+            return self.model.logits(self.model.masked_hidden(ids, attn, flags))
+
+    def aux_hidden(self, ids, attn, flags, dropout=None, attention_dropout=None, generators=None) -> torch.Tensor:
+        """The aux encoder's output at the masked positions; with per-row `dropout` / `attention_dropout` rates
+        (appendix C), each row's masks drawn from its own generator (`common.augment.row_generators`)."""
+        drop = None if dropout is None and attention_dropout is None else (
+            RowDropout(attn, dropout, attention_dropout, generators))
+        with self.autocast or contextlib.nullcontext():
+            return self.model.masked_hidden(ids, attn, flags, drop)
 
     def _model_free(self, distribution: str, originals: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         """Section 5.1 / appendix B: replaced-token log-probabilities with no aux model, (K, V)."""
@@ -101,24 +111,56 @@ class Corruptor:
         easy = uniform_log_probs(1, v, self.device, self.reserved)[0] if distribution == "uniform_to_soh" else self.log_tf
         return log_interpolation(easy, soh, gammas)
 
-    def _sample(self, batch, ids, attn, flags, counts, uniforms, temperatures, gammas, originals, row_ids, epoch):
-        """Replacements at the batch's masked positions, and the aux logits (None without an aux model).
-        `gammas` None: the aux model at `temperatures` (paper eq. 1), whatever the curriculum."""
-        per_position = lambda values: torch.from_numpy(np.repeat(values[batch].astype(np.float32), counts)).to(self.device)
+    def _sample(self, hidden, part, uniforms, temperatures, gammas, originals):
+        """Replacements at one chunk of a batch's masked positions (`part` of the (K,) per-position arrays), and
+        the aux top-1 hits there (0 without an aux model). `hidden`: the aux encoder's output at those
+        positions, or None. `gammas` None: the aux model at `temperatures` (paper eq. 1), whatever the
+        curriculum."""
         distribution = "aux" if gammas is None else self.distribution
         augmentation = "temperature" if gammas is None else self.augmentation
         if distribution != "aux":
-            log_w = self._model_free(distribution, torch.from_numpy(originals).to(self.device), per_position(gammas))
-            return sample_from_log_weights(log_w, uniforms, self.reserved), None
-        rates = {}
-        if augmentation in ("dropout", "attention_dropout"):
-            rates[augmentation] = torch.from_numpy(gammas[batch].astype(np.float32)).to(self.device)
-            rates["generators"] = row_generators(self.seed, epoch, row_ids[batch], self.device)
-        logits = self.aux_logits(ids, attn, flags, **rates)
+            log_w = self._model_free(distribution, originals[part], gammas[part])
+            return sample_from_log_weights(log_w, uniforms[part], self.reserved), 0
+        with self.autocast or contextlib.nullcontext():
+            logits = self.model.logits(hidden[part])
+        hits = (logits.argmax(-1) == originals[part]).sum()
         if augmentation == "tf_interpolation":
-            log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), per_position(gammas))
-            return sample_from_log_weights(log_w, uniforms, self.reserved), logits
-        return sample_temperature(logits, per_position(temperatures), uniforms, self.reserved), logits
+            log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), gammas[part])
+            return sample_from_log_weights(log_w, uniforms[part], self.reserved), hits
+        return sample_temperature(logits, temperatures[part], uniforms[part], self.reserved), hits
+
+    def sample(self, prepared, rows, row_ids, epoch: int, temperatures, gammas=None) -> tuple[list, int]:
+        """The device half of a call: per batch, the aux encoder once, then its head and the sampler over
+        chunks of `chunk_entries // V` masked positions, so memory holds one chunk's (positions, V), not the
+        batch's. Returns the sampled ids of each batch (host arrays, in its rows' order) and the aux top-1 hits."""
+        t0 = time.perf_counter()
+        positions, uniforms, batches = prepared
+        step = max(1, self.chunk_entries // self.vocab_size)
+        out, hits = [], torch.zeros((), dtype=torch.long, device=self.device)
+        for batch, ids, attn, flags in batches:
+            counts = [len(positions[i]) for i in batch]
+            on_device = lambda a, dtype=torch.float32: torch.from_numpy(a).to(self.device, dtype)
+            per_position = lambda values: on_device(np.repeat(values[batch].astype(np.float32), counts))
+            originals = on_device(np.concatenate([rows[i][positions[i]] for i in batch]), torch.long)
+            u = on_device(np.concatenate([uniforms[i] for i in batch]), torch.float64)
+            t = per_position(temperatures)
+            g = None if gammas is None else per_position(gammas)
+            hidden = None
+            if (self.distribution if gammas is not None else "aux") == "aux":
+                rates = {}
+                if gammas is not None and self.augmentation in ("dropout", "attention_dropout"):
+                    rates[self.augmentation] = on_device(gammas[batch].astype(np.float32))
+                    rates["generators"] = row_generators(self.seed, epoch, row_ids[batch], self.device)
+                hidden = self.aux_hidden(ids, attn, flags, **rates)
+            sampled = torch.empty(len(originals), dtype=torch.long, device=self.device)
+            for start in range(0, len(originals), step):
+                part = slice(start, start + step)
+                sampled[part], chunk_hits = self._sample(hidden, part, u, t, g, originals)
+                hits += chunk_hits
+            out.append(sampled)
+        out = [s.cpu().numpy() for s in out]
+        self.device_seconds += time.perf_counter() - t0
+        return out, int(hits)
 
     def prepare(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, gammas: np.ndarray | None = None):
         """The CPU half of a call (per-row masking and uniforms, padded inputs on the device); it needs
@@ -136,21 +178,20 @@ class Corruptor:
         Corruptor's curriculum (the validation rows; the paper's default path). `prepared`: the
         output of `prepare` for the same arguments, if already computed."""
         row_ids = np.asarray(row_ids)
-        positions, uniforms, batches = prepared or self.prepare(rows, row_ids, epoch, gammas)
+        prepared = prepared or self.prepare(rows, row_ids, epoch, gammas)
+        sampled, top1_hits = self.sample(prepared, rows, row_ids, epoch, temperatures, gammas)
+        return self.finish(rows, prepared, sampled, top1_hits)
+
+    @staticmethod
+    def finish(rows, prepared, sampled, top1_hits: int) -> dict:
+        """The host half after sampling: the sampled ids put in place, the RTD labels."""
+        positions, _, batches = prepared
         corrupted = [r.astype(np.int32, copy=True) for r in rows]
-        top1_hits = 0
-        for batch, ids, attn, flags in batches:
-            counts = [len(positions[i]) for i in batch]
-            originals = np.concatenate([rows[i][positions[i]] for i in batch])
-            u = torch.from_numpy(np.concatenate([uniforms[i] for i in batch])).to(self.device)
-            sampled, logits = self._sample(batch, ids, attn, flags, counts, u, temperatures, gammas, originals,
-                                           row_ids, epoch)
-            sampled = sampled.cpu().numpy()
-            if logits is not None:
-                top1_hits += int((logits.argmax(-1).cpu().numpy() == originals).sum())
+        for (batch, *_), ids in zip(batches, sampled):
             offset = 0
-            for i, k in zip(batch, counts):
-                corrupted[i][positions[i]] = sampled[offset:offset + k]
+            for i in batch:
+                k = len(positions[i])
+                corrupted[i][positions[i]] = ids[offset:offset + k]
                 offset += k
         labels = [rtd_labels(r, c) for r, c in zip(rows, corrupted)]
         return {

@@ -271,10 +271,18 @@ class HFMaskedLM(nn.Module):
         self.max_positions = max_positions(self.model.config)
 
     def forward(self, input_ids, attention_mask, masked_positions) -> torch.Tensor:
+        return self.logits(self.masked_hidden(input_ids, attention_mask, masked_positions))
+
+    def masked_hidden(self, input_ids, attention_mask, masked_positions, drop=None) -> torch.Tensor:
+        """The base model's output at the masked positions (`common.model.MaskedLM.masked_hidden`)."""
+        if drop is not None:
+            raise ValueError("per-row dropout (appendix C) needs our own aux model, not a Hugging Face one")
         kwargs = {"input_ids": self.hf_of[input_ids], "attention_mask": attention_mask.long()}
         if self.token_types:
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)
-        hidden = self.model.base_model(**kwargs)[0][masked_positions]
+        return self.model.base_model(**kwargs)[0][masked_positions]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         for module in self.head:  # bert / deberta-v2: cls; roberta: lm_head; electra: predictions, lm_head
             hidden = module(hidden)
         return hidden[:, self.hf_of]  # our columns only: padded rows past the tokenizer's length drop out

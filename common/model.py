@@ -103,16 +103,24 @@ class EncoderLayer(nn.Module):
         self.ffn_out = nn.Linear(cfg.ffn_size, cfg.hidden_size)
         self.ln_ffn = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor, drop=None) -> torch.Tensor:
+        """`drop`: dropout of another kind than this layer's own (per row, `common.augment.RowDropout`), with
+        `hidden(t)` for the residual branches and `attention` (None, or a function of the attention
+        probabilities); None: the layer's own dropout, active in training."""
         batch, length, width = x.shape
         qkv = self.qkv(self.ln_attn(x))
         q, k, v = qkv.view(batch, length, 3, self.num_heads, width // self.num_heads).permute(2, 0, 3, 1, 4)
-        p = self.dropout if self.training else 0.0
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=p)
+        p = self.dropout if self.training and drop is None else 0.0
+        if drop is not None and drop.attention is not None:  # dropout on the probabilities, as dropout_p does
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + attn_bias
+            attn = drop.attention(torch.softmax(scores, dim=-1)) @ v
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=p)
         attn = attn.transpose(1, 2).reshape(batch, length, width)
-        x = x + F.dropout(self.out(attn), p, self.training)
+        branch = (lambda t: F.dropout(t, p, self.training)) if drop is None else drop.hidden
+        x = x + branch(self.out(attn))
         h = self.ffn_out(F.gelu(self.ffn_in(self.ln_ffn(x))))
-        return x + F.dropout(h, p, self.training)
+        return x + branch(h)
 
 
 class Encoder(nn.Module):
@@ -129,8 +137,10 @@ class Encoder(nn.Module):
         self.ln_final = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.dropout = cfg.dropout
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        x = F.dropout(self.ln_embed(self.embed(input_ids)), self.dropout, self.training)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, drop=None) -> torch.Tensor:
+        """`drop`: per-row dropout in place of the model's own (`EncoderLayer.forward`)."""
+        x = self.ln_embed(self.embed(input_ids))
+        x = F.dropout(x, self.dropout, self.training) if drop is None else drop.hidden(x)
         # Additive bias: relative positions, and -inf on padded keys. In the dtype the layers' q and k
         # will have: under bf16 autocast a float32 bias sends SDPA to its slow math path (fp32 matmuls).
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -138,7 +148,7 @@ class Encoder(nn.Module):
         pad = pad.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
         bias = (self.rel_bias(input_ids.shape[1]).to(dtype) + pad)
         for layer in self.layers:
-            x = layer(x, bias)
+            x = layer(x, bias, drop)
         return self.ln_final(x)
 
 
@@ -204,8 +214,15 @@ class MaskedLM(nn.Module):
 
     def forward(self, input_ids, attention_mask, masked_positions) -> torch.Tensor:
         """`masked_positions`: bool (B, L). Returns logits (num_masked, vocab) in row-major order."""
-        hidden = self.encoder(input_ids, attention_mask)
-        return self.head(hidden[masked_positions])
+        return self.logits(self.masked_hidden(input_ids, attention_mask, masked_positions))
+
+    def masked_hidden(self, input_ids, attention_mask, masked_positions, drop=None) -> torch.Tensor:
+        """The encoder's output at the masked positions, (num_masked, hidden): what `logits` turns into
+        a distribution, a chunk of positions at a time where the vocabulary is large."""
+        return self.encoder(input_ids, attention_mask, drop)[masked_positions]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
 
 
 class ReplacedTokenDetector(nn.Module):

@@ -31,7 +31,7 @@ class ShardWriter:
 
     def __call__(self, task: ShardTask, device_lock=None) -> dict:
         """Read, corrupt and write one shard. With `device_lock` (a GPU actor running two tasks at once),
-        only the aux forward and sampling hold the lock: this shard's masking and its Parquet writing
+        only the aux forward and sampling hold the lock: this shard's masking, labels and Parquet writing
         overlap with the other shard's model work."""
         t0 = time.time()
         source = self.rows[task.split]
@@ -39,7 +39,8 @@ class ShardWriter:
         rows = [source[i] for i in row_ids]
         prepared = self.corruptor.prepare(rows, row_ids, task.epoch, gammas)
         with device_lock or contextlib.nullcontext():
-            out = self.corruptor(rows, row_ids, task.epoch, temperatures, gammas, prepared)
+            sampled, top1_hits = self.corruptor.sample(prepared, rows, row_ids, task.epoch, temperatures, gammas)
+        out = self.corruptor.finish(rows, prepared, sampled, top1_hits)
         num = len(rows)
         columns = {
             "stream_index": pa.array(np.arange(task.stream_start, task.stream_start + num, dtype=np.int64)),

@@ -127,3 +127,25 @@ def test_generation_key_changes_with_every_setting_that_changes_the_bytes(built)
     assert generation_key(1, GenerateConfig(), meta, "x", 101) != base       # the stream's length
     assert generation_key(1, GenerateConfig(), meta, "y", 100) != base       # the aux model
     assert generation_key(1, GenerateConfig(tasks_in_flight=2), meta, "x", 100) == base  # scheduling only
+
+
+@pytest.mark.parametrize("distribution,augmentation", [("aux", "temperature"), ("aux", "tf_interpolation"),
+                                                       ("aux", "dropout"), ("uniform_to_soh", "temperature")])
+def test_sampling_a_chunk_of_positions_at_a_time_draws_what_the_whole_batch_draws(built, distribution, augmentation):
+    """Issue 30: the head and the sampler run over chunks of masked positions (memory: one chunk x V), each
+    position keeping its distribution and its uniform. Chunks of 1 and of 7 positions against all at once:
+    the same ids, labels and aux top-1 hits (bitwise on CPU)."""
+    rows = load_split(built.corpus_dir, "train")[:24]
+    ids = np.arange(100, 124)
+    temps, gammas = np.linspace(2.0, 1.0, 24), np.linspace(0.9, 0.1, 24)
+    outs = []
+    for positions in (10**6, 7, 1):
+        corruptor = _corruptor(built, distribution, augmentation, gamma_max=0.9)
+        corruptor.chunk_entries = positions * corruptor.vocab_size
+        outs.append(corruptor(rows, ids, 2, temps, gammas))
+    whole = outs[0]
+    assert whole["masked"] > 7 * 4  # several chunks of 7 per batch
+    for out in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(out["input_ids"], whole["input_ids"]))
+        assert all(np.array_equal(a, b) for a, b in zip(out["labels"], whole["labels"]))
+        assert (out["replaced"], out["aux_top1"]) == (whole["replaced"], whole["aux_top1"])
