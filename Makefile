@@ -143,12 +143,15 @@ bench-flops: setup
 
 # Two test processes (pytest-xdist): most slow tests wait on subprocess and Ray start-up, so two at a time
 # take ~8 min on 2 cores instead of ~12-13. TEST_WORKERS=0 runs them in this process, one by one.
+# One torch thread per process (TEST_THREADS): two test processes, each starting trainers and actors with a
+# thread per core, would run twice as many threads as cores, and idle OpenMP threads spin.
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(WORK)

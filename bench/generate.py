@@ -9,6 +9,12 @@ Measured in one run, on this machine, as ratios (docs/design.md, "Performance is
   bytes_per_token         shard bytes per token per epoch (labels included), tiny epochs
   entropy_bytes_per_token unigram entropy of the training corpus, in bytes per token
   peak_rss_4x_vs_1x       peak RSS of a generation process on a 4x corpus / on the 1x corpus
+  sampling_peak_4x_vs_1x  peak RSS of the aux forward and sampling over a batch with 4x the masked positions
+                          / 1x (16 rows of 512 tokens masked at 60% / 15%), at a 128,000-entry vocabulary
+                          (the base aux width, 1 layer, random weights), each in a fresh process
+  host_tokens_per_s       the actor's host side on 512-token rows (reading rows, masking, inputs, labels,
+                          Parquet encoding and writing): shard tokens / (shard seconds - aux forward and sampling)
+  zstd table              shard bytes per token and host tokens/s at each zstd level, in generate.md
 Writes bench/results/generate.json and generate.md.
 """
 from __future__ import annotations
@@ -144,6 +150,115 @@ def peak_rss(manifest: str, corpus_dir: Path, aux_path: Path, shards: int) -> fl
     return json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
 
 
+SAMPLING_VOCAB, SAMPLING_ROWS, ROW_TOKENS, SAMPLING_MASK = 128_000, 16, 512, 0.15
+
+
+def sampling_probe(aux_path: str, rows: int, mask_prob: float, chunk_entries: int) -> None:
+    """Run in a fresh process: prepare one batch of `rows` rows of 512 random ids masked at `mask_prob`, reset
+    the peak RSS, run the aux forward and the sampler (`Corruptor.sample`) over it; print the peak RSS of that
+    step (Linux VmHWM)."""
+    torch.set_num_threads(2)
+    corruptor = Corruptor(aux_path, 1, mask_prob, rows * ROW_TOKENS)
+    corruptor.chunk_entries = chunk_entries
+    rng = np.random.default_rng(0)
+    batch = [np.concatenate([[2], rng.integers(5, SAMPLING_VOCAB, ROW_TOKENS - 2), [3]]).astype(np.int32)
+             for _ in range(rows)]
+    ids, temps = np.arange(rows), np.full(rows, 1.5)
+    prepared = corruptor.prepare(batch, ids, 0)
+    before = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    corruptor.sample(prepared, batch, ids, 0, temps)
+    print(json.dumps({"peak_mb": _status_kb("VmHWM") / 1024, "before_mb": before / 1024,
+                      "masked": int(sum(len(p) for p in prepared[0]))}))
+
+
+def _status_kb(field: str) -> int:
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def sampling_peaks(tmp: Path, manifest: str) -> dict:
+    """Peak RSS of sampling at 1x and 4x the masked positions of one batch (the same rows masked at 15% and
+    60%, so the aux forward is the same), chunked (the generator's setting) and with the whole batch's
+    logits at once (the code before chunking), each in a fresh process."""
+    from common.checkpoint import save_aux
+    from common.config import ModelConfig
+    from common.model import MaskedLM
+    torch.manual_seed(0)
+    shape = ModelConfig(hidden_size=768, num_layers=1, num_heads=12, ffn_size=3072)
+    aux = save_aux(MaskedLM(shape, SAMPLING_VOCAB, 1), shape, 1, SAMPLING_VOCAB, "none", tmp / "aux", {"steps": 0})
+    out = {}
+    for name, entries in (("chunked", 0), ("whole", 1 << 62)):  # 0: the generator's LOGIT_CHUNK_ENTRIES
+        for times in (1, 4):
+            cmd = [sys.executable, "-m", "bench.generate", "--manifest", manifest, "--sampling-probe", str(aux),
+                   "--rows", str(SAMPLING_ROWS), "--mask-prob", str(SAMPLING_MASK * times),
+                   "--chunk-entries", str(entries)]
+            result = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            out[f"{name}_{times}x"] = result
+    return out
+
+
+def long_rows(corpus_dir: Path, out_dir: Path, row_tokens: int = ROW_TOKENS) -> Path:
+    """A corpus folder whose training split is the original's token stream cut into rows of `row_tokens`
+    ([CLS] ... [SEP], the paper's row length), in one memory-mapped part as the actors read it."""
+    shutil.copytree(corpus_dir, out_dir)
+    meta = json.loads((out_dir / "corpus.json").read_text())
+    inner = np.concatenate([r[1:-1] for r in load_split(corpus_dir, "train")])
+    per_row = row_tokens - 2
+    n = len(inner) // per_row
+    body = inner[:n * per_row].reshape(n, per_row)
+    tokens = np.concatenate([np.full((n, 1), 2), body, np.full((n, 1), 3)], axis=1).astype(np.int32).ravel()
+    offsets = np.arange(n + 1, dtype=np.int64) * row_tokens
+    flat = {}
+    for kind, array in (("tokens", tokens), ("offsets", offsets)):
+        path = out_dir / f"long-{kind}.npy"
+        np.save(path, array)
+        flat[kind] = {"path": path.name, "bytes": path.stat().st_size}
+    meta["train"] = {**meta["train"], "rows": n, "tokens": int(len(tokens)),
+                     "parts": [{**meta["train"]["parts"][0], "flat": flat, "rows": n, "row_start": 0}]}
+    (out_dir / "corpus.json").write_text(json.dumps(meta))
+    return out_dir
+
+
+def host_rate(config, corpus_dir: Path, tmp: Path, levels=(1, 3, 6, 9, 12, 15, 19), shards: int = 4,
+              rows_per_shard: int = 512) -> list[dict]:
+    """Per zstd level: the real ShardWriter on 512-token rows (2 threads), best of two passes over `shards`
+    shards; host seconds = shard seconds - the Corruptor's own time in the aux forward and sampling. The aux
+    model is a 1 x 32 one with the corpus's vocabulary and random weights, so the run is mostly host work
+    (the host side does the same whatever the model: the same masks, inputs, label rule and encoding)."""
+    from common.checkpoint import save_aux
+    from common.config import ModelConfig
+    from common.model import MaskedLM
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    meta = load_corpus_meta(corpus_dir)
+    shape = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, ffn_size=64)
+    aux = save_aux(MaskedLM(shape, meta["vocab_size"], 1), shape, 1, meta["vocab_size"], meta["tokenizer_sha256"],
+                   tmp / "host-aux", {"steps": 0})
+    rows = {"train": SplitRows(corpus_dir, "train"), "valid": []}
+    g = config.generate.__class__(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0,
+                                  rows_per_epoch=shards * rows_per_shard)
+    tasks = plan_tasks(len(rows["train"]), 0, g, config.seed)[:shards]
+    corruptor = Corruptor(aux, config.seed, config.generate.mask_prob, config.generate.batch_tokens)
+    table = []
+    for level in levels:
+        best = None
+        for _ in range(2):
+            with tempfile.TemporaryDirectory() as out:
+                writer = ShardWriter(rows, corruptor, out, level, config.generate.rows_per_row_group or 64)
+                device0, t0 = corruptor.device_seconds, time.perf_counter()
+                records = [writer(task) for task in tasks]
+                wall = time.perf_counter() - t0
+                host = wall - (corruptor.device_seconds - device0)
+            tokens = sum(r["tokens"] for r in records)
+            if best is None or host < best["host_s"]:
+                best = {"zstd_level": level, "host_s": host, "wall_s": wall, "tokens": tokens,
+                        "host_tokens_per_s": tokens / host,
+                        "bytes_per_token": sum(r["bytes"] for r in records) / tokens}
+        table.append(best)
+    return table
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.generate")
     parser.add_argument("--manifest", default="manifests/tiny.toml")
@@ -151,7 +266,15 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--aux", default=None)
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--sampling-probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=int, default=SAMPLING_ROWS, help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-entries", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--mask-prob", type=float, default=SAMPLING_MASK, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.sampling_probe:
+        from common.memory import LOGIT_CHUNK_ENTRIES
+        sampling_probe(args.sampling_probe, args.rows, args.mask_prob, args.chunk_entries or LOGIT_CHUNK_ENTRIES)
+        return 0
     config = load_manifest(args.manifest)
     aux_path = Path(args.aux) if args.aux else config.aux_dir / AUX_FILE
     if args.memory_probe:
@@ -167,6 +290,10 @@ def main(argv=None) -> int:
         big = replicate_corpus(corpus_dir, Path(tmp) / "corpus4x", 4)
         rss_1x = peak_rss(args.manifest, corpus_dir, aux_path, args.shards)
         rss_4x = peak_rss(args.manifest, big, aux_path, args.shards)
+        sampling = sampling_peaks(Path(tmp), args.manifest)
+        zstd = host_rate(config, long_rows(corpus_dir, Path(tmp) / "long"), Path(tmp))
+    base_level = load_manifest("manifests/base.toml").generate.zstd_level  # the level of the 512-token presets
+    level = next(r for r in zstd if r["zstd_level"] == base_level)
     epochs = manifest["epochs"]
     result = {
         "gen_vs_forward": speed["generation_tokens_per_s"] / speed["forward_tokens_per_s"],
@@ -175,6 +302,10 @@ def main(argv=None) -> int:
         "entropy_bytes_per_token": unigram_entropy_bytes(corpus_dir, manifest["vocab_size"]),
         "peak_rss_4x_vs_1x": rss_4x / rss_1x,
         "peak_rss_1x_mb": rss_1x, "peak_rss_4x_mb": rss_4x,
+        "sampling_peak_4x_vs_1x": sampling["chunked_4x"]["peak_mb"] / sampling["chunked_1x"]["peak_mb"],
+        "sampling_peak_4x_vs_1x_whole_batch": sampling["whole_4x"]["peak_mb"] / sampling["whole_1x"]["peak_mb"],
+        "sampling": sampling,
+        "host_tokens_per_s": level["host_tokens_per_s"], "zstd_level": base_level, "zstd_table": zstd,
         **{f"single_worker_{k}": v for k, v in speed.items()},
         **{f"ray_{k}": v for k, v in scaling.items()},
         "device": "cpu", "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -191,7 +322,17 @@ def main(argv=None) -> int:
           f"({scaling['workers_2_tokens_per_s']:.0f} / {scaling['workers_1_tokens_per_s']:.0f}) | >= 1.6 |",
           f"| shard bytes per token per epoch | {result['bytes_per_token']:.3f} | <= 1.5 |",
           f"| corpus unigram entropy, bytes per token | {result['entropy_bytes_per_token']:.3f} | (reference) |",
-          f"| peak RSS 4x corpus / 1x | {result['peak_rss_4x_vs_1x']:.3f} ({rss_4x:.0f} / {rss_1x:.0f} MB) | <= 1.2 |"]
+          f"| peak RSS 4x corpus / 1x | {result['peak_rss_4x_vs_1x']:.3f} ({rss_4x:.0f} / {rss_1x:.0f} MB) | <= 1.2 |",
+          f"| sampling peak RSS, 4x masked positions / 1x ({SAMPLING_VOCAB:,} entries; "
+          f"{sampling['chunked_1x']['masked']} / {sampling['chunked_4x']['masked']} positions) | "
+          f"{result['sampling_peak_4x_vs_1x']:.3f} ({sampling['chunked_4x']['peak_mb']:.0f} / "
+          f"{sampling['chunked_1x']['peak_mb']:.0f} MB; the whole batch's logits at once: "
+          f"{result['sampling_peak_4x_vs_1x_whole_batch']:.3f}) | <= 1.2 |",
+          f"| host side, 512-token rows, zstd {base_level} (base and large; tokens/s, 2 threads) | "
+          f"{result['host_tokens_per_s']:,.0f} | >= 2,000,000 |",
+          "", "Shard zstd level: bytes against the host side's time (512-token rows of the corpus, 4 shards of 512 "
+          "rows, best of 2):", "", "| zstd level | bytes per token | host tokens/s |", "|---|---|---|",
+          *(f"| {r['zstd_level']} | {r['bytes_per_token']:.4f} | {r['host_tokens_per_s']:,.0f} |" for r in zstd)]
     atomic_write_text(RESULTS / "generate.md", "\n".join(md) + "\n")
     print("\n".join(md))
     return 0

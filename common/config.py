@@ -177,7 +177,8 @@ class GenerateConfig:
     threads_per_worker: int = 1
     """torch threads per CPU actor; fixed so results never depend on worker count."""
     zstd_level: int = 19
-    """zstd level of the shards (19: ~1.48 bytes/token on tiny, ~40 ms per 512-row shard)."""
+    """zstd level of the shards. 19: ~1.51 bytes/token on tiny's short rows (15: 3.5% more); on 512-token rows
+    15 is within 0.2% of 19 at 1.5x the host speed, which base and large use (make bench-generate's table)."""
     tasks_in_flight: int = 0
     """Shards in flight per actor: 0 = 2 on a GPU actor (the next shard's masking and aux forward run
     while the last one is written), 1 on a CPU actor (one core: nothing to overlap). Bytes never change."""
@@ -298,8 +299,13 @@ class TrainConfig:
     'mlm': the auxiliary masked LM itself (what `make aux` runs, with [train] composed from [aux])."""
     electra_lambda: float = 50.0
     """'electra' only: loss = MLM + lambda * RTD (paper section 2: lambda = 50)."""
+    compile: str = "auto"
+    """The model's forward and backward under torch.compile: "on", "off", or "auto" = on where it measured
+    faster (a GPU), off on CPU (docs/benchmarks.md, "torch.compile")."""
 
     def __post_init__(self):
+        if self.compile not in ("auto", "on", "off"):
+            raise ConfigError(f"train.compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {self.objective!r}")
         if self.batch_size < 1 or self.micro_batch < 0:

@@ -9,14 +9,16 @@ backs the figures in docs/design.md (design notes); not a test, not part of `mak
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import time
 
 import torch
-import torch.nn.functional as F
 
 from common.config import load_manifest
 from common.model import ReplacedTokenDetector
 from common.optim import build_optimizer, build_scheduler
+from train import trainer
 from train.data import load_data_manifest, replaced_rate, to_tensors, training_stream, validation_stream
 from train.metrics import rtd_metrics
 
@@ -31,7 +33,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prior-init", action="store_true")
     args = parser.parse_args(argv)
     config = load_manifest(args.manifest)
-    tc = config.train
+    tc = dataclasses.replace(config.train, objective="fast-offline")  # RTD on the shards
     manifest, _ = load_data_manifest(args.data, config)
     stream, valid = training_stream(args.data, manifest), validation_stream(args.data, manifest)
     torch.manual_seed(tc.seed)
@@ -46,15 +48,8 @@ def main(argv=None) -> None:
     t0 = time.time()
     for step in range(args.steps):
         start = (step % steps_per_pass) * tc.batch_size  # wraps around the stream if asked for more
-        batch = to_tensors(stream.rows(start, start + tc.batch_size))
-        mask = batch["attention_mask"]
-        logits = model(batch["input_ids"], mask)
-        loss = F.binary_cross_entropy_with_logits(logits[mask], batch["labels"][mask])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
-        optimizer.step()
-        scheduler.step()
+        trainer.update(model, model, optimizer, scheduler, [stream.rows(start, start + tc.batch_size)], to_tensors,
+                       torch.device("cpu"), contextlib.nullcontext(), 1, tc)  # the trainer's own update
         if (step + 1) % 64 == 0 or step + 1 == args.steps:
             model.eval()
             with torch.no_grad():

@@ -33,6 +33,8 @@ start (its clock restarts; reused shards keep their measured generation time).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -93,37 +95,36 @@ def base_train_rows(out: Path) -> int:
 # --- measured speeds for the plan --------------------------------------------------------
 
 def measure_update_seconds(config: RunConfig, objective_name: str, corpus_dir: Path, repeats: int = 3) -> float:
-    """Median seconds of one trainer update of `objective_name` (the trainer's model, optimizer and loss
-    on a batch of real corpus rows; RTD labels drawn at the mask rate: the cost does not depend on them)."""
+    """Median seconds of one trainer update of `objective_name`: the trainer's own update function
+    (`train.trainer.update`) on its model and optimizer, on a batch of real corpus rows (RTD labels drawn at
+    the mask rate: the cost does not depend on them)."""
+    from functools import partial
+    from common.curriculum import masked_count
     from common.model import ReplacedTokenDetector
-    from common.optim import build_optimizer
-    from train.objectives import electra_tensors, forward_losses, objective
+    from common.optim import build_optimizer, build_scheduler
+    from train import trainer
     from train.data import to_tensors
-    from train.objectives import ElectraPair
+    from train.objectives import ElectraPair, electra_tensors
     from train.online import OnlineStream
-    tc, g = config.train, config.generate
+    tc, g = dataclasses.replace(config.train, objective=objective_name), config.generate
     stream = OnlineStream(config, corpus_dir, None)
     torch.manual_seed(0)
     vocab = config.tokenizer.vocab_size
     electra = objective_name == "electra"
     model = ElectraPair(config.model, vocab) if electra else ReplacedTokenDetector(config.model, vocab)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
+    scheduler = build_scheduler(optimizer, tc.warmup_steps, repeats + 1)
+    to_batch = partial(electra_tensors, seed=config.seed, mask_prob=g.mask_prob) if electra else to_tensors
+    count_masked = partial(masked_count, mask_prob=g.mask_prob)
+    autocast = contextlib.nullcontext()
     rng, times = np.random.default_rng(0), []
     for i in range(repeats + 1):  # the first update warms up, untimed
         rows = stream.rows(i * tc.batch_size, (i + 1) * tc.batch_size)
-        t0 = time.perf_counter()
-        if electra:
-            batch = electra_tensors(rows, seed=config.seed, mask_prob=g.mask_prob)
-        else:
+        if not electra:
             rows["labels"] = [rng.random(len(r)) < g.mask_prob for r in rows["input_ids"]]
-            batch = to_tensors(rows)
-        rtd, mlm, _ = forward_losses(model, batch, "cpu", electra)
-        loss = objective(rtd, mlm, float(batch["attention_mask"].sum()),
-                         float(batch["masked_flags"].sum()) if electra else 0.0, tc.electra_lambda)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        trainer.update(model, model, optimizer, scheduler, [rows], to_batch, torch.device("cpu"), autocast, 1, tc,
+                       count_masked)
         if i:
             times.append(time.perf_counter() - t0)
     return float(np.median(times))

@@ -6,6 +6,7 @@ import torch
 
 from bench import train as bench_train
 from bench.efficiency import design_ratios
+import train.trainer as trainer
 
 DESIGN_KEYS = {"train": ["step_vs_inmemory", "loader_vs_consumption"],
                "efficiency": ["offline_vs_electra_time", "offline_vs_electra_memory", "online_vs_electra_time",
@@ -49,3 +50,19 @@ def test_bench_train_times_the_trainers_own_update_function(generated, tmp_path,
     assert bench_train.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2", "--block", "1",
                              "--out", str(tmp_path)]) == 0
     assert len(calls) == 2 + 2 * 2  # 2 warm-up updates, then 2 timed updates in each of the two modes
+
+
+def test_the_experiments_time_and_train_through_the_trainers_own_update_function(built, generated, monkeypatch,
+                                                                                    capsys):
+    """`make reproduce`'s update timing and the tiny ablation tool call `train.trainer.update` (counted through a
+    wrapper that calls it) with the objective they stand for; the ablation's weights learn (loss is finite)."""
+    from experiments import ablate_tiny, reproduce
+    calls, real = [], trainer.update
+    monkeypatch.setattr(trainer, "update", lambda *a, **k: (calls.append(a[9].objective), real(*a, **k))[1])
+    for objective in ("electra", "fast-offline"):
+        assert reproduce.measure_update_seconds(built, objective, built.corpus_dir, repeats=2) > 0
+    assert calls == ["electra"] * 3 + ["fast-offline"] * 3
+    manifest, data = generated[:2]
+    ablate_tiny.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2"])
+    assert calls[6:] == ["fast-offline"] * 2
+    assert "step     2  val loss" in capsys.readouterr().out

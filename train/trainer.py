@@ -118,6 +118,12 @@ def accumulate(ddp_model, micro_rows: list[dict], to_batch, device, autocast, wo
     return loss_sum / global_tokens, extra, global_tokens
 
 
+def compiled(setting: str, device: torch.device) -> bool:
+    """`[train] compile`: "auto" compiles on a GPU only (measured faster there; on CPU slower to start than it
+    saves at the presets' sizes)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
 def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_batch, device, autocast, world: int,
            tc, count_masked=None) -> tuple[float, dict, float, float, bool]:
     """One training update: forward and backward over the micro-batches, clip, step, schedule. A non-finite
@@ -237,12 +243,16 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         raise ConfigError(f"{run_dir} already holds checkpoints; pass --resume or choose another --out")
 
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model  # the one place
+    use_compile = compiled(tc.compile, device)
+    if use_compile:  # checkpoints and validation use `model` itself: its names stay plain
+        ddp_model = torch.compile(ddp_model)
     is_main, history = rank == 0, progress.history
     if is_main:
         metrics_path = open_metrics(run_dir, config, progress.step)
         print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
               f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {accum} accumulated); "
-              f"{dropped_rows} tail rows dropped; data {data_desc}")
+              f"{dropped_rows} tail rows dropped; data {data_desc}"
+              f"{'; under torch.compile' if use_compile else ''}")
         if "start" not in history:
             history["start"] = {"step": 0, **evaluate_now(detector, valid, device, autocast)}
     if checking is not None:
