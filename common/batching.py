@@ -1,10 +1,12 @@
-"""Turning variable-length rows into padded tensors, and grouping rows by length."""
+"""Turning variable-length rows into padded tensors, masked model inputs, and grouping rows by length."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from common.tokenizer import PAD_ID
+from common.augment import drop_tokens
+from common.curriculum import GENERATOR_STREAM, row_draws
+from common.tokenizer import MASK_ID, PAD_ID, Reserved
 
 
 def pad_rows(rows: list[np.ndarray], pad_value: int = PAD_ID, dtype=torch.long) -> torch.Tensor:
@@ -36,3 +38,28 @@ def length_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
     if current:
         batches.append(np.array(current))
     return batches
+
+
+def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray | int, seed: int,
+                  mask_prob: float, pad_to: int, stream: int = GENERATOR_STREAM, reserved: Reserved = Reserved(),
+                  vocab_size: int = 0, drop_rates: np.ndarray | None = None) -> dict:
+    """The one place rows are masked (generate/, fast-online, electra, the aux MLM): per row, masked positions
+    and sampling uniforms drawn by `common.curriculum.row_draws` (from `stream`), as padded tensors:
+    original_ids, masked_ids, masked_flags, uniforms (row-major over flags). With `drop_rates`, row i's
+    masked input also gets that fraction of [UNK]s (appendix C), drawn after its other draws."""
+    epochs = np.broadcast_to(np.asarray(epoch), (len(rows),))
+    original = torch.zeros((len(rows), pad_to), dtype=torch.long)
+    flags = torch.zeros((len(rows), pad_to), dtype=torch.bool)
+    masked = None if drop_rates is None else torch.zeros((len(rows), pad_to), dtype=torch.long)
+    uniforms = []
+    for i, (r, rid, e) in enumerate(zip(rows, row_ids, epochs)):
+        pos, u, rng = row_draws(r, mask_prob, seed, int(e), int(rid), stream, reserved, vocab_size)
+        uniforms.append(u)
+        original[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
+        flags[i, torch.from_numpy(pos)] = True
+        if masked is not None:
+            m = np.asarray(r, dtype=np.int64).copy()
+            m[pos] = MASK_ID
+            masked[i, :len(r)] = torch.from_numpy(drop_tokens(m, float(drop_rates[i]), rng))
+    return {"original_ids": original, "masked_ids": original.masked_fill(flags, MASK_ID) if masked is None else masked,
+            "masked_flags": flags, "uniforms": torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))}

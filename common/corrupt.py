@@ -14,16 +14,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.augment import RowDropout, drop_tokens, row_generators
-from common.batching import attention_mask, length_batches, pad_rows
+from common.augment import RowDropout, row_generators
+from common.batching import attention_mask, length_batches, masked_inputs
 from common.checkpoint import load_aux
 from common.config import GenerateConfig
 from common.corpus import term_counts
-from common.curriculum import row_draws, rtd_labels
+from common.curriculum import rtd_labels
 from common.distributions import (aux_log_probs, log_interpolation, sample_from_log_weights, sample_temperature,
                                   smoothed_one_hot_log_probs, term_frequency_log_probs, uniform_log_probs)
 from common.memory import LOGIT_CHUNK_ENTRIES
-from common.tokenizer import MASK_ID, Reserved
+from common.tokenizer import Reserved
 
 
 def needs_term_counts(distribution: str, augmentation: str) -> bool:
@@ -63,26 +63,23 @@ class Corruptor:
 
     def masked_batches(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, drop_rates=None):
         """Per-row masked positions and uniforms, and the length-grouped model inputs as a list of
-        (row indices, input ids, attention mask, masked flags) on the device. With `drop_rates`, each
-        row's aux input also gets that fraction of [UNK]s (appendix C), drawn after its other draws."""
-        positions, uniforms, inputs = [], [], []
-        for i, (r, rid) in enumerate(zip(rows, row_ids)):
-            pos, u, rng = row_draws(r, self.mask_prob, self.seed, epoch, int(rid), reserved=self.reserved,
-                                    vocab_size=self.vocab_size)
-            positions.append(pos)
-            uniforms.append(u)
-            m = r.copy()
-            m[pos] = MASK_ID
-            inputs.append(m if drop_rates is None else drop_tokens(m, float(drop_rates[i]), rng))
+        (row indices, input ids, attention mask, masked flags) on the device, masked by
+        `common.batching.masked_inputs`. With `drop_rates`, each row's aux input also gets that fraction of
+        [UNK]s (appendix C), drawn after its other draws."""
+        row_ids = np.asarray(row_ids)
         lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        batches = []
+        positions, uniforms, batches = [None] * len(rows), [None] * len(rows), []
         for batch in length_batches(lengths, self.batch_tokens):
-            ids = pad_rows([inputs[i] for i in batch]).to(self.device)
-            attn = attention_mask(lengths[batch], ids.shape[1]).to(self.device)
-            flags = torch.zeros(ids.shape, dtype=torch.bool)
+            longest = int(lengths[batch].max())
+            made = masked_inputs([rows[i] for i in batch], row_ids[batch], epoch, self.seed, self.mask_prob, longest,
+                                 reserved=self.reserved, vocab_size=self.vocab_size,
+                                 drop_rates=None if drop_rates is None else np.asarray(drop_rates)[batch])
+            flags, u, offset = made["masked_flags"], made["uniforms"].numpy(), 0
             for j, i in enumerate(batch):
-                flags[j, torch.from_numpy(positions[i])] = True
-            batches.append((batch, ids, attn, flags.to(self.device)))
+                positions[i] = np.flatnonzero(flags[j].numpy())
+                uniforms[i], offset = u[offset:offset + len(positions[i])], offset + len(positions[i])
+            batches.append((batch, made["masked_ids"].to(self.device),
+                            attention_mask(lengths[batch], longest).to(self.device), flags.to(self.device)))
         return positions, uniforms, batches
 
     def aux_logits(self, ids, attn, flags) -> torch.Tensor:

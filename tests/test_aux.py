@@ -85,7 +85,7 @@ def test_the_aux_masks_are_never_the_generators_masks(built):
     positions differ from those the generator (and fast-online, and ELECTRA) draws for that row."""
     from common.corpus import SplitRows
     from train.mlm import mlm_tensors
-    from train.objectives import masked_inputs
+    from common.batching import masked_inputs
     rows = SplitRows(built.corpus_dir, "train")
     ids = np.arange(6)
     originals = [rows[int(i)] for i in ids]

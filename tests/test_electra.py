@@ -8,7 +8,8 @@ from common.checkpoint import AUX_FILE, latest_checkpoint
 from common.config import load_manifest
 from common.corrupt import Corruptor
 from tests.conftest import train_with
-from train.objectives import ElectraPair, generator_layers, masked_inputs
+from common.batching import masked_inputs
+from train.objectives import ElectraPair, generator_layers
 from train.online import OnlineStream
 
 SHARED = ("encoder.embed.weight", "encoder.ln_embed.weight", "encoder.ln_embed.bias")

@@ -29,7 +29,8 @@ from common.memory import LOGIT_CHUNK_ENTRIES  # 2^26 fp32 logits (256 MiB): 524
 from common.model import MaskedLM
 from common.plan import epoch_order
 from common.tokenizer import Reserved
-from train.objectives import MLM_INPUTS, masked_inputs
+from common.batching import masked_inputs
+from train.objectives import MLM_INPUTS
 from train.online import RowsInMemory
 
 

@@ -12,16 +12,15 @@ at T = 1: ELECTRA samples from its generator as it is.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.batching import attention_mask
+from common.batching import attention_mask, masked_inputs
 from common.config import ModelConfig
-from common.curriculum import GENERATOR_STREAM, row_draws, sample_replacements
+from common.curriculum import sample_replacements
 from common.model import MaskedLM, ReplacedTokenDetector
-from common.tokenizer import MASK_ID, Reserved
+from common.tokenizer import Reserved
 
 
 def generator_layers(cfg: ModelConfig) -> int:
@@ -55,25 +54,6 @@ class ElectraPair(nn.Module):
             labels = (corrupted != original_ids).float()
             hits = (gen_logits.argmax(-1) == originals).sum()
         return mlm_sum, self.discriminator(corrupted, attention_mask), labels, hits
-
-
-def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray | int, seed: int,
-                  mask_prob: float, pad_to: int, stream: int = GENERATOR_STREAM, reserved: Reserved = Reserved(),
-                  vocab_size: int = 0) -> dict:
-    """Per row: masked positions and sampling uniforms drawn exactly as generate/ draws them (or from
-    the aux model's own `stream`), as padded tensors: original_ids, masked_ids, masked_flags, uniforms
-    (row-major over flags)."""
-    epochs = np.broadcast_to(np.asarray(epoch), (len(rows),))
-    original = torch.zeros((len(rows), pad_to), dtype=torch.long)
-    flags = torch.zeros((len(rows), pad_to), dtype=torch.bool)
-    uniforms = []
-    for i, (r, rid, e) in enumerate(zip(rows, row_ids, epochs)):
-        pos, u, _ = row_draws(r, mask_prob, seed, int(e), int(rid), stream, reserved, vocab_size)
-        uniforms.append(u)
-        original[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
-        flags[i, torch.from_numpy(pos)] = True
-    return {"original_ids": original, "masked_ids": original.masked_fill(flags, MASK_ID), "masked_flags": flags,
-            "uniforms": torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))}
 
 
 def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15, reserved: Reserved = Reserved(),
