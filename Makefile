@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
 	else $(PY) -m pip install --quiet torch==2.13.0; fi
-	$(PY) -m pip install --quiet -e ".[test,hf]"
+	$(PY) -m pip install --quiet -e ".[test,hf,tensorboard]"
 	touch $(STAMP)
 
 setup: $(STAMP)

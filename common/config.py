@@ -299,6 +299,9 @@ class TrainConfig:
     'mlm': the auxiliary masked LM itself (what `make aux` runs, with [train] composed from [aux])."""
     electra_lambda: float = 50.0
     """'electra' only: loss = MLM + lambda * RTD (paper section 2: lambda = 50)."""
+    tensorboard: bool = False
+    """Also write metrics.jsonl's scalars as TensorBoard events in the run's `tensorboard/` (the `tensorboard`
+    extra)."""
     compile: str = "auto"
     """The model's forward and backward under torch.compile: "on", "off", or "auto" = on where it measured
     faster (a GPU), off on CPU (docs/benchmarks.md, "torch.compile")."""

@@ -124,13 +124,14 @@ def test_a_missing_module_or_target_is_reported():
 
 
 def test_the_default_chain_imports_no_hugging_face_module():
-    """transformers is an optional extra (`.[hf]`, only for an hf: aux model): importing every stage of
-    the default chain must not import it (nor tokenizers / safetensors)."""
+    """transformers is an optional extra (`.[hf]`, only for an hf: aux model), tensorboard another
+    (`.[tensorboard]`): importing every stage of the default chain must import none of them (nor tokenizers /
+    safetensors)."""
     import subprocess
     import sys
     code = ("import sys, corpus.build, auxiliary.mlm, generate.generator, generate.job, train.trainer, "
             "common.corrupt, common.checkpoint, common.tokenizer, finetune.finetuner; "
-            "print(sorted(m for m in ('transformers', 'tokenizers', 'safetensors') if m in sys.modules))")
+            "print(sorted(m for m in ('transformers', 'tokenizers', 'safetensors', 'tensorboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

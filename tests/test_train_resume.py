@@ -152,3 +152,29 @@ def test_existing_run_without_resume_is_refused(generated, tmp_path, env_with_re
     result = subprocess.run(_train_cmd(manifest, data, run), cwd=ROOT, env=env_with_repo,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "pass --resume" in result.stderr
+
+
+def test_tensorboard_events_hold_the_metrics_and_a_resumed_run_logs_each_step_once(generated, tmp_path,
+                                                                                   env_with_repo):
+    """`[train] tensorboard = true`: the scalars of metrics.jsonl as TensorBoard events, read back with
+    tensorboard's own reader. A run killed (SIGKILL) after step 6, its checkpoint at step 4, and resumed to
+    step 8: every step once in the events, with metrics.jsonl's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run),
+           "--set", "train.tensorboard=true", "--set", "train.log_every=1", "--set", "train.ckpt_every=4",
+           "--set", "train.eval_every=4", "--set", "train.max_steps=8"]
+    killed = subprocess.run(cmd, cwd=ROOT, env={**env_with_repo, KILL_AT_STEP_ENV: "6"}, capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    result = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    board = EventAccumulator(str(run / "tensorboard"))
+    board.Reload()
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"), ("val/auc", "val_auc")):
+        logged = [(r["step"], r[key]) for r in records if key in r]
+        events = [(e.step, e.value) for e in board.Scalars(tag)]
+        assert [step for step, _ in events] == [step for step, _ in logged], tag
+        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(events, logged)), tag

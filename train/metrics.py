@@ -1,5 +1,5 @@
 """Validation metrics of replaced token detection: loss, accuracy, and precision,
-recall and AUC of the replaced class (label 1)."""
+recall and AUC of the replaced class (label 1); the run's metrics as TensorBoard events."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,3 +40,28 @@ def rtd_metrics(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) 
         "replaced_fraction": float(truth.float().mean()),
         "tokens": int(mask.sum()),
     }
+
+
+class TensorBoardLog:
+    """`[train] tensorboard = true`: every number of a metrics.jsonl record also as a TensorBoard scalar, in
+    the run folder's `tensorboard/` (tags `train/loss`, `val/auc`, ...; the step is the record's). A resumed run
+    purges what the earlier one logged after the checkpoint it resumes from, as metrics.jsonl is cut back.
+    Needs the `tensorboard` extra (`pip install -e '.[tensorboard]'`)."""
+
+    def __init__(self, run_dir, resumed_step: int):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError(f"train.tensorboard = true needs the tensorboard package: pip install -e "
+                              f"'.[tensorboard]' ({e})") from None
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+                self.writer.add_scalar(tag, value, record["step"], walltime=record.get("time"))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

@@ -10,6 +10,7 @@ The same loop trains the auxiliary masked LM (objective `mlm`, `make aux`: `trai
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import resource
@@ -34,7 +35,7 @@ from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
 from train import state
 from train.data import DataError, load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream, validation_stream
-from train.metrics import rtd_metrics
+from train.metrics import TensorBoardLog, rtd_metrics
 from train.mlm import MLMObjective, evaluate_mlm, mlm_streams, mlm_tensors
 from train.objectives import ElectraPair, electra_tensors, forward_losses, objective
 from train.plots import plot_curves
@@ -196,6 +197,8 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     tc = config.train
     mlm = tc.objective == "mlm"
     micro, accum = accumulation(tc.batch_size, world, tc.micro_batch, "aux" if mlm else "train")
+    if tc.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]'")
     stream, valid, vocab_size, prior, manifest_hash, data_desc, tokenizer_sha256 = open_streams(config, args, device)
     # Before any work: refuse a micro-batch whose estimated peak memory exceeds the device's.
     preflight(config, vocab_size, micro, device, what="aux" if mlm else "train", share=tc.batch_size // world)
@@ -249,6 +252,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     is_main, history = rank == 0, progress.history
     if is_main:
         metrics_path = open_metrics(run_dir, config, progress.step)
+        board = TensorBoardLog(run_dir, progress.step) if tc.tensorboard else None
         print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
               f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {accum} accumulated); "
               f"{dropped_rows} tail rows dropped; data {data_desc}"
@@ -329,6 +333,8 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         if is_main and record:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            if board:
+                board.write(record)
             if "val_loss" in record and time.time() - last_plot >= PLOT_INTERVAL_S:
                 plot_curves(run_dir)
                 last_plot = time.time()
@@ -339,6 +345,8 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
             after_step(step)
     bar.close()
     reader.shutdown()
+    if is_main and board:
+        board.close()
     elapsed = time.time() - t_start
     summary = {}
     if is_main:
