@@ -167,7 +167,11 @@ def test_reproduce_end_to_end_under_the_budget_and_rerun_redoes_nothing(tmp_path
     config = tiny_config(out, train={"eval_every": 1000, "ckpt_every": 1000, "log_every": 1},
                          generate={"rows_per_shard": 64}, aux={"steps": 10})
     data = config_to_dict(config)
+    # trainer_startup_s = 24.5 leaves ELECTRA's plan half a second of updates (about 64), so it ends by its
+    # plan, not by training to the deadline for 20 s of the suite's time; test_deadline_stops_after_one_update
+    # below runs the trainer's deadline itself.
     data["reproduce"] = {"budget_s": 25.0, "methods": ["electra", "fast-offline", "none"], "checkpoints": 2,
+                         "trainer_startup_s": 24.5,
                          "finetune": {"max_steps": 6, "seeds": [1, 2], "max_seq_len": 32,
                                       "grid": {"lr": [1e-3], "epochs": [1], "batch_size": [16]}}}
     manifest = tmp_path / "reproduce.toml"
