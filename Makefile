@@ -68,8 +68,19 @@ generate-epochs: aux
 # train/launch.py, so a rank's error ends the command as one line with its exit code (2), not torchrun's 1.
 LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m train.launch --standalone --nproc_per_node $(NPROC))
 
-train: generate-epochs
-	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume
+# Training follows the generation: the generator runs in the background (a finished folder: checked, then done)
+# while the trainer waits for each step's shards (train --follow). Its output: $(DATA_DIR).generate.log.
+GEN_LOG := $(if $(findstring ://,$(DATA_DIR)),$(WORK)/generate.log,$(DATA_DIR).generate.log)
+train: aux
+	@mkdir -p $(dir $(GEN_LOG)); \
+	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS)) \
+	    > $(GEN_LOG) 2>&1 & gen=$$!; \
+	echo "generate: writing $(DATA_DIR) in the background (log: $(GEN_LOG)); the trainer follows it"; \
+	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume \
+	    --follow --follow-pid $$gen; rc=$$?; \
+	if [ $$rc -ne 0 ]; then kill $$gen 2>/dev/null; fi; wait $$gen; grc=$$?; \
+	if [ $$grc -ne 0 ] && [ $$rc -eq 0 ]; then tail -n 5 $(GEN_LOG) >&2; echo "error: the generator failed (exit $$grc; log: $(GEN_LOG))" >&2; exit $$grc; fi; \
+	grep '^generate: ' $(GEN_LOG) | tail -n 1; exit $$rc
 	@echo "next: make finetune (README: Fine-tuning) | make sweep (Stages) | make train CORPUS=your/texts (Your own corpus) | MANIFEST=manifests/base.toml (Scaling out)"
 
 # Only reads the shards: if $(DATA_DIR)/manifest.json exists the generator is not run at all.

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from auxiliary.mlm import AuxRunError, aux_is_current, train_aux, use_hf_aux
-from common.checkpoint import AUX_FILE
+from common.checkpoint import AUX_FILE, AUX_META
 from common.config import ConfigError, add_set_argument, load_manifest
+from common.corpus import local_corpus
 from common.sources import CorpusError
+from common.storage import cache_folder, is_remote, location
 
 
 def main(argv=None) -> int:
@@ -25,15 +26,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_manifest(args.manifest, args.sets)
-        corpus = Path(args.corpus) if args.corpus else config.corpus_dir
-        out = Path(args.out) if args.out else config.aux_dir
+        corpus = location(args.corpus) if args.corpus else config.corpus_dir
+        out = location(args.out) if args.out else config.aux_dir
+        corpus = local_corpus(corpus)  # on object storage: this machine's copy
         if not args.force and aux_is_current(config, corpus, out):
             print(f"aux: {out / AUX_FILE} is up to date (use --force to retrain)")
             return 0
+        # object storage: trained in this machine's cache, then uploaded, aux.json last (common/storage.py)
+        local = cache_folder(out, "builds") if is_remote(out) else out
         if config.aux.source:
-            use_hf_aux(config, corpus, out)
-            return 0
-        train_aux(config, corpus, out, nproc=args.nproc, force=args.force)
+            use_hf_aux(config, corpus, local)
+        else:
+            train_aux(config, corpus, local, nproc=args.nproc, force=args.force)
+        if is_remote(out):
+            for name in ("resolved_manifest.toml", AUX_FILE, AUX_META):
+                (out / name).upload(local / name)
+            print(f"aux: uploaded to {out}")
     except AuxRunError as e:  # the trainer has printed its own error
         print(f"error: {e}", file=sys.stderr)
         return e.code if 0 < e.code < 256 else 1

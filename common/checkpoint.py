@@ -61,13 +61,34 @@ def save_aux(model: MaskedLM, model_cfg: ModelConfig, num_layers: int, vocab_siz
 
 def read_aux_meta(path: str | Path) -> dict:
     """The small JSON beside aux.pt (vocabulary, tokenizer hash), read without loading weights."""
-    path = Path(path)
+    from common.storage import location
+    path = location(path)
     meta = path.with_name(AUX_META)
     if not path.is_file():
         raise FileNotFoundError(f"auxiliary model {path} does not exist (run `make aux`)")
     if not meta.is_file():
         raise FileNotFoundError(f"auxiliary model {path} has no {AUX_META} beside it")
     return json.loads(meta.read_text())
+
+
+def local_aux(path) -> Path:
+    """The aux model file on this machine: `path` itself, or for one on object storage a local copy of it and
+    its aux.json, downloaded once per machine and checked against aux.json's sha256 (`common.storage`)."""
+    from common.storage import cache_folder, is_remote, local_copy, location
+    remote = location(path)
+    if not is_remote(remote):
+        return Path(path)
+    meta_remote = remote.with_name(AUX_META)
+    if not remote.is_file() or not meta_remote.is_file():
+        raise FileNotFoundError(f"auxiliary model {remote} or its {AUX_META} does not exist (run `make aux` with "
+                                f"--out {remote.parent})")
+    text = meta_remote.read_text()
+    local = cache_folder(remote.parent, "aux")
+    local_copy(remote, local / remote.name, remote.stat().st_size, json.loads(text)["sha256"])
+    if not (local / AUX_META).is_file() or (local / AUX_META).read_text() != text:
+        with atomic_path(local / AUX_META) as tmp:
+            Path(tmp).write_text(text)
+    return local / remote.name
 
 
 def check_aux_matches_tokenizer(aux_meta: dict, aux_path, vocab_size: int, tokenizer_sha256: str, tok_path) -> None:

@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.storage import location
+
 
 class ConfigError(ValueError):
     """A user's mistake in a manifest or on the command line."""
@@ -397,15 +399,15 @@ class RunConfig:
     # Default locations of each stage's output.
     @property
     def corpus_dir(self) -> Path:
-        return Path(self.shared_dir or self.work_dir) / "corpus"
+        return location(self.shared_dir or self.work_dir) / "corpus"  # a folder or an s3:// prefix
 
     @property
     def aux_dir(self) -> Path:
-        return Path(self.shared_dir or self.work_dir) / "aux"
+        return location(self.shared_dir or self.work_dir) / "aux"  # a folder or an s3:// prefix
 
     @property
     def epochs_dir(self) -> Path:
-        return Path(self.work_dir) / "epochs"
+        return location(self.work_dir) / "epochs"
 
     @property
     def run_dir(self) -> Path:
@@ -554,7 +556,8 @@ def dump_toml(config: RunConfig) -> str:
 
 def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
     from common.io import atomic_write_text
-    return atomic_write_text(Path(out_dir) / "resolved_manifest.toml", dump_toml(config))
+    from common.storage import location
+    return atomic_write_text(location(out_dir) / "resolved_manifest.toml", dump_toml(config))
 
 
 # Settings that do not change what a training run computes: where outputs go, how often it logs,

@@ -110,10 +110,39 @@ def term_counts(corpus_dir: str | Path) -> np.ndarray:
 
 
 CORPUS_FORMAT = 3  # corpus.json's `corpus_format`: parts per work unit
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 
 
-def load_corpus_meta(corpus_dir: str | Path) -> dict:
-    path = Path(corpus_dir) / CORPUS_META
+def local_corpus(corpus_dir) -> Path:
+    """A corpus folder on this machine: `corpus_dir` itself, or for one on object storage a local copy of
+    what the stages read at random (corpus.json, the tokenizer, every part's flat tokens and offsets, each
+    checked against corpus.json's size and sha256), downloaded once per machine (`common.storage`)."""
+    from common.storage import cache_folder, is_remote, local_copy, location
+    remote = location(corpus_dir)
+    if not is_remote(remote):
+        return Path(corpus_dir)
+    local = cache_folder(remote, "corpora")
+    if not (remote / CORPUS_META).is_file():
+        raise CorpusError(f"no corpus at {remote} ({CORPUS_META} missing): build one with "
+                          f"`python -m corpus --out {remote}`")
+    text = (remote / CORPUS_META).read_text()
+    meta = json.loads(text)
+    for name in TOKENIZER_FILES:
+        if (remote / name).is_file():
+            local_copy(remote / name, local / name, (remote / name).stat().st_size)
+    for split in ("train", "valid"):
+        for part in meta.get(split, {}).get("parts", []):
+            for record in part["flat"].values():
+                local_copy(remote / record["path"], local / record["path"], record["bytes"], record["sha256"])
+    if not (local / CORPUS_META).is_file() or (local / CORPUS_META).read_text() != text:
+        with atomic_path(local / CORPUS_META) as tmp:  # last: a copy with corpus.json is whole
+            Path(tmp).write_text(text)
+    return local
+
+
+def load_corpus_meta(corpus_dir) -> dict:
+    from common.storage import location
+    path = location(corpus_dir) / CORPUS_META
     if not path.is_file():
         raise CorpusError(f"no corpus at {corpus_dir} ({CORPUS_META} missing): run `make corpus` first")
     meta = json.loads(path.read_text())

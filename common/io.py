@@ -10,13 +10,18 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from common.storage import cache_root, is_remote, location
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+
+def sha256_file(path, chunk: int = 1 << 20) -> str:
+    """sha256 of a local file or an object (`common.storage.ObjectPath`, streamed)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with (path.fs.open_input_stream(path.key) if is_remote(path) else open(path, "rb")) as f:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
@@ -28,8 +33,18 @@ def tmp_path_for(path: Path) -> Path:
 
 
 @contextmanager
-def atomic_path(path: str | Path):
-    """Yield a temporary path; on success fsync and rename it to `path`, else delete it."""
+def atomic_path(path):
+    """Yield a temporary path; on success fsync and rename it to `path`, else delete it. For an object
+    (`common.storage.ObjectPath`) the temporary file is local and is uploaded to the key in one put."""
+    if is_remote(path):
+        tmp = cache_root() / "uploads" / f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            yield tmp
+            path.upload(tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(path)
@@ -43,40 +58,75 @@ def atomic_path(path: str | Path):
             tmp.unlink()
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
+def atomic_write_text(path, text: str):
+    if is_remote(path):
+        path.write_text(text)  # one put: atomic
+        return path
     with atomic_path(path) as tmp:
         Path(tmp).write_text(text)
     return Path(path)
 
 
-def append_record(path: str | Path, record: dict) -> None:
-    """Append one JSON line to a progress file and make it durable (a killed job's work is not lost)."""
+def record_objects(path):
+    """Where a progress log on object storage keeps its records: one object per record under `NAME.d/`
+    (objects cannot be appended to)."""
+    return path.with_name(path.name + ".d")
+
+
+def append_record(path, record: dict, key: str | None = None) -> None:
+    """Append one JSON line to a progress file and make it durable (a killed job's work is not lost). On
+    object storage: the record is put as an object of its own, named by `record[key]`."""
+    line = json.dumps(record, sort_keys=True) + "\n"
+    if is_remote(path):
+        (record_objects(path) / f"{record[key]}.json").write_text(line)
+        return
     with open(path, "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.write(line)
         f.flush()
         os.fsync(f.fileno())
 
 
-def read_records(path: str | Path, key: str) -> dict:
+def read_records(path, key: str) -> dict:
     """The records of a progress file by `record[key]`, the last one winning; a torn last line (a kill
     mid-write) is ignored."""
     records = {}
-    if Path(path).is_file():
-        for line in Path(path).read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            records[record[key]] = record
+    if is_remote(path):
+        import pyarrow.fs as pafs
+        folder = record_objects(path)
+        infos = folder.fs.get_file_info(pafs.FileSelector(folder.key, allow_not_found=True, recursive=True))
+        names = [i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".json")]
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            lines = list(pool.map(lambda key_: location(f"{folder.scheme}://{key_}").read_text(), names))
+    else:
+        lines = Path(path).read_text().splitlines() if Path(path).is_file() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        records[record[key]] = record
     return records
+
+
+def read_record(path, key: str, value: str) -> dict | None:
+    """One record of a progress log (`append_record`) by its key, or None; a local log is read whole."""
+    if is_remote(path):
+        try:
+            return json.loads((record_objects(path) / f"{value}.json").read_text())
+        except (FileNotFoundError, OSError, json.JSONDecodeError):
+            return None
+    return read_records(path, key).get(value)
 
 
 def atomic_write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-def remove_stale_tmp(folder: str | Path) -> int:
-    """Delete temporaries a killed writer left behind; returns how many."""
+def remove_stale_tmp(folder) -> int:
+    """Delete temporaries a killed writer left behind; returns how many (none on object storage: an object
+    is written in one put, never under a temporary key)."""
+    if is_remote(folder):
+        return 0
     count = 0
     for p in Path(folder).glob(".*.tmp-*"):
         p.unlink(missing_ok=True)
@@ -111,9 +161,13 @@ class FolderLock:
     A second writer stops with a message naming the owner; the lock of a process that is no longer
     running on this host is taken over (a killed writer cannot release it)."""
 
-    def __init__(self, folder: str | Path, what: str):
-        self.folder, self.what = Path(folder), what
-        self.path = self.folder.with_name(f".{self.folder.name}.lock")
+    def __init__(self, folder, what: str):
+        self.folder, self.what = location(folder), what
+        if is_remote(self.folder):  # object storage has no exclusive create: the lock guards this machine's writers
+            from common.storage import cache_folder
+            self.path = cache_folder(self.folder, "locks").with_suffix(".lock")
+        else:
+            self.path = self.folder.with_name(f".{self.folder.name}.lock")
 
     def _owner(self) -> dict:
         try:

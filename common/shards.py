@@ -20,16 +20,28 @@ from common.io import atomic_path, sha256_file
 FORMAT_VERSION = 2
 # The index of a shard folder, written last (generate/generator.py), read by the trainer.
 MANIFEST_FILE = "manifest.json"
+# Written first: the generation key and every planned shard (a trainer follows the generation by it).
+PLAN_FILE = "plan.json"
+# One record per finished shard: path, rows, bytes, sha256, device, replaced counts (resume; `train --follow`).
+PROGRESS_FILE = "progress.jsonl"
+
+
+def stream_fingerprint(generation_key: str, shards: list, device: str) -> str:
+    """Hash of what the trainer reads: the generation key (everything a shard's bytes depend on), every
+    shard's path and rows in stream order (training shards, then validation), and the kind of device that
+    made them (bf16 on GPU, fp32 on CPU). Known from plan.json and the first shard's record, so a run that
+    follows the generation (`train --follow`) has the fingerprint of a run over the finished folder. A
+    checkpoint records it (`data_manifest_sha256`); the trainer resumes and `make export` counts tokens by it."""
+    blob = json.dumps({"generation_key": generation_key, "shards": [[p, int(r)] for p, r in shards],
+                       "device": device})
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def data_fingerprint(manifest: dict) -> str:
-    """Hash of what the trainer reads: the generation key and every shard's path, rows and sha256
-    (not wall times or device names, which change when a damaged shard is regenerated). A checkpoint
-    records it (`data_manifest_sha256`); the trainer resumes and `make export` counts tokens by it."""
-    shards = [(s["path"], s["rows"], s["sha256"]) for e in manifest["epochs"] for s in e["shards"]]
-    shards += [(s["path"], s["rows"], s["sha256"]) for s in manifest["valid"]["shards"]]
-    blob = json.dumps({"generation_key": manifest.get("generation_key"), "shards": shards})
-    return hashlib.sha256(blob.encode()).hexdigest()
+    """`stream_fingerprint` of a finished folder's manifest."""
+    shards = [(s["path"], s["rows"]) for e in manifest["epochs"] for s in e["shards"]]
+    shards += [(s["path"], s["rows"]) for s in manifest["valid"]["shards"]]
+    return stream_fingerprint(manifest.get("generation_key"), shards, ",".join(manifest.get("devices", [])))
 
 # One packed sequence of the corpus: [CLS] tokens-of-one-document [SEP].
 CORPUS_SCHEMA = pa.schema([
@@ -56,16 +68,18 @@ def write_parquet(path: str | Path, columns: dict, schema: pa.Schema, column_enc
     """Write `columns` with `schema` atomically, in row groups of `row_group_rows` rows (0: one), every
     page with a CRC32 (`read_row_group` checks them); returns bytes and sha256 of the file."""
     table = pa.Table.from_pydict(columns, schema=schema)
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:  # on object storage: written locally, then uploaded in one put
         pq.write_table(table, tmp, compression="zstd", compression_level=compression_level, use_dictionary=False,
                        column_encoding=column_encoding, write_statistics=False, store_schema=True,
                        row_group_size=row_group_rows or max(1, table.num_rows), write_page_checksum=True)
-    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+        info = {"bytes": Path(tmp).stat().st_size, "sha256": sha256_file(tmp)}
+    return info
 
 
-def open_parquet(path: str | Path, schema: pa.Schema) -> pq.ParquetFile:
-    """A Parquet file whose pages are checked against their CRC32 when read; its schema must be `schema`."""
-    file = pq.ParquetFile(path, page_checksum_verification=True)
+def open_parquet(path, schema: pa.Schema, source=None, metadata=None) -> pq.ParquetFile:
+    """A Parquet file whose pages are checked against their CRC32 when read; its schema must be `schema`.
+    `source`, `metadata`: an open file to read it from (an object's ranged reads) and its footer, already read."""
+    file = pq.ParquetFile(source if source is not None else path, metadata=metadata, page_checksum_verification=True)
     got = {f.name: f.type for f in file.schema_arrow}
     want = {f.name: f.type for f in schema}
     if got != want:

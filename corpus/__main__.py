@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from common.config import ConfigError, add_set_argument, load_manifest
 from common.io import FolderLocked
+from common.corpus import CORPUS_META
 from common.sources import CorpusError
+from common.storage import cache_folder, is_remote, location, upload_folder
 from corpus.build import build_corpus, corpus_is_current
 
 
@@ -34,11 +35,16 @@ def main(argv=None) -> int:
         workers = args.workers if args.workers is not None else os.cpu_count() or 1
         if workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {workers}")
-        out = Path(args.out) if args.out else config.corpus_dir
+        out = location(args.out) if args.out else config.corpus_dir
         if not args.force and corpus_is_current(config, out, config.corpus.source):
             print(f"corpus: {out} is up to date")
             return 0
-        build_corpus(config, out, workers=workers, address=args.address)
+        # object storage: built in this machine's cache, then uploaded, corpus.json last (common/storage.py)
+        local = cache_folder(out, "builds") if is_remote(out) else out
+        build_corpus(config, local, workers=workers, address=args.address)
+        if is_remote(out):
+            upload_folder(local, out, last=CORPUS_META)
+            print(f"corpus: uploaded to {out}")
     except (ConfigError, CorpusError, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

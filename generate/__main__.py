@@ -1,7 +1,7 @@
 """`make generate-epochs`: the Ray job that writes each epoch's corrupted rows and labels as
 Parquet shards (`generate/generator.py`).
 
-    python -m generate --manifest PATH --out DIR [--workers N] [--address ADDR] [--force] [--verify]
+    python -m generate --manifest PATH --out DIR|s3://BUCKET/PREFIX [--workers N] [--address ADDR] [--force] [--verify]
                        [--corpus DIR] [--aux PATH] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs
 from common.config import ConfigError, add_set_argument, load_manifest
 from common.io import FolderLocked
 from common.sources import CorpusError
+from common.storage import location
 from common.parallel import default_workers
 from generate.generator import OutputConflict, generate
 
@@ -37,9 +37,10 @@ def main(argv=None) -> int:
         workers = args.workers if args.workers is not None else default_workers()
         if workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {workers}")
-        out = Path(args.out) if args.out else config.epochs_dir
-        corpus = Path(args.corpus) if args.corpus else config.corpus_dir
-        aux = Path(args.aux) if args.aux else config.aux_dir / AUX_FILE
+        # folders or object storage URIs (s3://bucket/prefix: common/storage.py)
+        out = location(args.out) if args.out else config.epochs_dir
+        corpus = location(args.corpus) if args.corpus else config.corpus_dir
+        aux = location(args.aux) if args.aux else config.aux_dir / AUX_FILE
         generate(config, out, corpus, aux, workers, args.address, args.force, verify=args.verify)
     except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,20 +14,18 @@ or whose bytes do not match their record.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
-from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
+from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, local_aux, read_aux_meta
 from common.config import RunConfig, config_to_dict, save_resolved
-from common.corpus import SplitRows, load_corpus_meta, term_counts
+from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
 from common.io import FolderLock, atomic_write_json, remove_stale_tmp, sha256_file
-from common.shards import FORMAT_VERSION, MANIFEST_FILE, SHARD_SCHEMA
+from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, SHARD_SCHEMA
 from common.sources import CorpusError
 from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
 from common.corrupt import needs_term_counts
-
-PLAN_FILE = "plan.json"
+from common.storage import is_remote, location, rmtree
 
 
 class OutputConflict(ValueError):
@@ -59,18 +57,18 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
                 raise OutputConflict(f"{out_dir} holds shards of a different generation (key "
                                      f"{existing.get('generation_key', '?')[:12]}, this run {key[:12]}); "
                                      f"use another --out or --force to replace them")
-            shutil.rmtree(out_dir)
+            rmtree(out_dir)
     elif out_dir.exists() and any(out_dir.iterdir()):
         if not force:
             raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}; use another --out or --force")
-        shutil.rmtree(out_dir)
+        rmtree(out_dir)
     return {"corpus": corpus, "aux": aux, "key": key, "plan": plan}
 
 
 VERIFIED_FILE = "verified.json"
 
 
-def file_stamp(path: Path) -> list[int]:
+def file_stamp(path) -> list[int]:
     """What a file's verification is keyed by: its size and modification time (ns)."""
     stat = path.stat()
     return [stat.st_size, stat.st_mtime_ns]
@@ -135,21 +133,40 @@ def generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path,
     """Check inputs, run the missing shards on Ray, write manifest.json last. Returns the manifest.
     One writer per output folder (a lock beside it). A shard whose size and modification time are those
     recorded when it was last hashed (verified.json) is not read again unless `verify`."""
+    out_dir = location(out_dir)
     with FolderLock(out_dir, "python -m generate"):
-        return _generate(config, out_dir, corpus_dir, aux_path, workers, address, force, log, verify)
+        return _generate(config, out_dir, location(corpus_dir), location(aux_path), workers, address, force, log,
+                         verify)
 
 
-def _generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path, workers: int,
+def plan_record(checked: dict, tasks, config: RunConfig) -> dict:
+    """plan.json: what the folder will hold, written before any shard, so a trainer can follow the generation
+    (`train --follow`): the generation key, the data's vocabulary, length and tokenizer, and every shard's
+    path and rows in stream order."""
+    corpus, plan = checked["corpus"], checked["plan"]
+    layout = {"valid": [], "epochs": [[] for _ in range(plan.epochs)]}
+    for task in tasks:
+        (layout["valid"] if task.split == "valid" else layout["epochs"][task.epoch]).append([task.path, task.count])
+    return {"format_version": FORMAT_VERSION, "generation_key": checked["key"], "tasks": len(tasks),
+            "schema": [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA],
+            "vocab_size": corpus["vocab_size"], "max_seq_len": corpus["max_seq_len"],
+            "tokenizer_sha256": corpus["tokenizer_sha256"], "rows_per_epoch": plan.rows_per_epoch,
+            "num_epochs": plan.epochs, "total_rows": plan.total_rows, "seed": config.seed, "shards": layout}
+
+
+def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
               address: str | None, force: bool, log, verify: bool = False) -> dict:
-    checked = check_inputs(config, corpus_dir, aux_path, out_dir, force)
+    # inputs on object storage are read from a copy on this machine (each actor makes its own)
+    checked = check_inputs(config, local_corpus(corpus_dir), local_aux(aux_path), out_dir, force)
     corpus, plan = checked["corpus"], checked["plan"]
     tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed, plan.total_rows)
     out_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(out_dir)
-    for sub in out_dir.iterdir():
-        if sub.is_dir():
-            remove_stale_tmp(sub)
-    atomic_write_json(out_dir / PLAN_FILE, {"generation_key": checked["key"], "tasks": len(tasks)})
+    if not is_remote(out_dir):
+        remove_stale_tmp(out_dir)
+        for sub in out_dir.iterdir():
+            if sub.is_dir():
+                remove_stale_tmp(sub)
+    atomic_write_json(out_dir / PLAN_FILE, plan_record(checked, tasks, config))
     save_resolved(config, out_dir)
 
     from generate.job import actor_device, read_progress, run_tasks
@@ -182,6 +199,7 @@ def _generate(config: RunConfig, out_dir: Path, corpus_dir: Path, aux_path: Path
     log(f"generate: {len(tasks)} shards planned, {len(done)} already done, {len(todo)} to run "
         f"on {workers} worker(s)")
     t0 = time.time()
+    # paths the actors resolve on their own machine (URIs stay URIs)
     actor_args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()),
                   "out_dir": str(out_dir.resolve()), "seed": config.seed, "mask_prob": config.generate.mask_prob,
                   "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker,

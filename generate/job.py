@@ -22,8 +22,8 @@ from tqdm import tqdm
 from common.io import append_record, read_records
 from common.parallel import start_ray as common_start_ray
 from common.plan import ShardTask
-
-PROGRESS_FILE = "progress.jsonl"
+from common.shards import PROGRESS_FILE
+from common.storage import location
 # Fault injection for tests (real process deaths, not mocks):
 FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # path of a marker file; the first task's process dies
 SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard, to kill a run halfway
@@ -34,9 +34,11 @@ class ShardActor:
     def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
                  batch_tokens: int, threads: int, zstd_level: int, curriculum: dict | None = None,
                  row_group_rows: int = 0):
-        from common.corpus import SplitRows, term_counts
+        from common.checkpoint import local_aux
+        from common.corpus import SplitRows, local_corpus, term_counts
         from common.corrupt import Corruptor, needs_term_counts
         from generate.worker import ShardWriter
+        corpus_dir, aux_path = local_corpus(corpus_dir), local_aux(aux_path)  # this machine's copies
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         curriculum = dict(curriculum or {})  # distribution, augmentation, soh_alpha (GenerateConfig)
@@ -57,13 +59,13 @@ class ShardActor:
         return {**self.writer(task, self.device_lock), "device": self.device}
 
 
-def read_progress(out_dir: Path) -> dict[str, dict]:
+def read_progress(out_dir) -> dict[str, dict]:
     """Shard records of an earlier (maybe killed) run, by path."""
-    return read_records(out_dir / PROGRESS_FILE, "path")
+    return read_records(location(out_dir) / PROGRESS_FILE, "path")
 
 
-def append_progress(out_dir: Path, record: dict) -> None:
-    append_record(out_dir / PROGRESS_FILE, record)
+def append_progress(out_dir, record: dict) -> None:
+    append_record(location(out_dir) / PROGRESS_FILE, record, key="path")
 
 
 def start_ray(address: str | None, workers: int) -> None:

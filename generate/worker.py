@@ -15,6 +15,7 @@ import pyarrow as pa
 from common.corrupt import Corruptor
 from common.plan import ShardTask
 from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
+from common.storage import location
 
 
 class ShardWriter:
@@ -25,7 +26,7 @@ class ShardWriter:
                  row_group_rows: int = 0):
         self.rows = corpus_rows
         self.corruptor = corruptor
-        self.out_dir = Path(out_dir)
+        self.out_dir = location(out_dir)  # a folder, or object storage (common.storage)
         self.zstd_level = zstd_level
         self.row_group_rows = row_group_rows
 

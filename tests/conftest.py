@@ -97,6 +97,21 @@ def generated(built, tmp_path_factory):
     return manifest, out, result
 
 
+@pytest.fixture(scope="session")
+def trained_reference(generated, tmp_path_factory):
+    """(step, loss) of every logged step of a trainer run over the session's finished generated folder: what a
+    run that follows the generation, or reads the same shards from object storage, must reproduce exactly."""
+    import json
+    manifest, data, _ = generated
+    run = tmp_path_factory.mktemp("reference") / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data),
+                             "--out", str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
 def train_with(built, manifest_path, tmp_path, env, **train):
     """Run `python -m train` on the fixture corpus and aux model with [train] overrides (objectives that
     corrupt in the loop); returns the process result and the metrics.jsonl records."""

@@ -1,6 +1,7 @@
 """`make train`: the Fast-ELECTRA trainer (`train/trainer.py`).
 
-    torchrun --nproc_per_node N -m train --manifest PATH --data DIR --out RUN [--resume] [--set KEY=VALUE ...]
+    torchrun --nproc_per_node N -m train --manifest PATH --data DIR|s3://BUCKET/PREFIX --out RUN [--resume]
+                                         [--follow [--follow-timeout S]] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
     parser.add_argument("--out", default=None, help="run folder (default: WORK_DIR/runs/default)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    parser.add_argument("--follow", action="store_true",
+                        help="train while the generator still writes --data: each step waits for its shards")
+    parser.add_argument("--follow-timeout", type=float, default=600.0,
+                        help="--follow: stop with an error when a needed shard is not written within this many "
+                             "seconds (default 600)")
+    parser.add_argument("--follow-pid", type=int, default=0,
+                        help="--follow: the generator's process id (make train): stop as soon as it exits unfinished")
     parser.add_argument("--corpus", default=None, help="fast-online only: corpus folder (default: WORK_DIR/corpus)")
     parser.add_argument("--aux", default=None, help="fast-online only: aux model (default: WORK_DIR/aux/aux.pt)")
     parser.add_argument("--deadline", type=float, default=0.0,

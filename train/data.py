@@ -9,47 +9,57 @@ positions of each row group, before a row of it is used.
 from __future__ import annotations
 
 import bisect
+import io
 import json
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs
 from common.config import RunConfig
-from common.io import sha256_file
-from common.shards import MANIFEST_FILE, SHARD_SCHEMA, data_fingerprint, list_column, open_parquet
-
+from common.corpus import CORPUS_META
+from common.io import FolderLock, _alive, read_record, sha256_file
+from common.shards import (FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA, data_fingerprint,
+                           list_column, open_parquet, stream_fingerprint)
+from common.storage import is_remote, location
 
 
 class DataError(ValueError):
     """The shards are missing, damaged, or do not fit the trainer's config."""
 
 
-def replaced_rate(manifest: dict) -> float:
+def replaced_rate(manifest: dict) -> float:  # bench/train.py and experiments/ablate_tiny.py
     """Fraction of training tokens labelled replaced, from the manifest's per-epoch counts."""
     replaced = sum(e["replaced_fraction"] * e["masked_positions"] for e in manifest["epochs"])
     tokens = sum(e["tokens"] for e in manifest["epochs"])
     return min(max(replaced / max(tokens, 1), 1e-4), 1 - 1e-4)
 
 
-def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, str]:
+def load_data_manifest(data_dir, config: RunConfig) -> tuple[dict, str]:
     """Read manifest.json, check it against the config; returns (manifest, its data fingerprint)."""
-    path = Path(data_dir) / MANIFEST_FILE
+    path = location(data_dir) / MANIFEST_FILE
     if not path.is_file():
         raise DataError(f"{path} does not exist: run `make generate-epochs` (an unfinished generation has no manifest)")
     manifest = json.loads(path.read_text())
+    check_data(manifest, data_dir, config)
+    return manifest, data_fingerprint(manifest)
+
+
+def check_data(manifest: dict, data_dir, config: RunConfig) -> None:
+    """The data (a manifest, or the plan of a folder being generated) fits the trainer's config."""
     if not config.aux.source and manifest["vocab_size"] != config.tokenizer.vocab_size:  # hf: its tokenizer's size
         raise IncompatibleInputs(f"shards in {data_dir} have vocabulary {manifest['vocab_size']} but the manifest "
                                  f"config has tokenizer.vocab_size = {config.tokenizer.vocab_size}")
     if manifest["max_seq_len"] != config.corpus.max_seq_len:
         raise IncompatibleInputs(f"shards in {data_dir} have sequence length {manifest['max_seq_len']} but the "
                                  f"manifest config has corpus.max_seq_len = {config.corpus.max_seq_len}")
-    corpus_meta = Path(config.corpus_dir) / "corpus.json"  # the corpus whose tokenizer reads this run's model later
+    corpus_meta = location(config.corpus_dir) / CORPUS_META  # the corpus whose tokenizer reads this run's model later
     if corpus_meta.is_file() and manifest.get("tokenizer_sha256"):
         ours = json.loads(corpus_meta.read_text()).get("tokenizer_sha256")
         if ours and ours != manifest["tokenizer_sha256"]:
@@ -60,16 +70,212 @@ def load_data_manifest(data_dir: str | Path, config: RunConfig) -> tuple[dict, s
     schema = [{"name": f.name, "type": str(f.type)} for f in SHARD_SCHEMA]
     if manifest["schema"] != schema:
         raise IncompatibleInputs(f"shards in {data_dir} have schema {manifest['schema']}, the trainer reads {schema}")
-    return manifest, data_fingerprint(manifest)
+
+
+class Follower:
+    """Shard records of the generator's progress log (`common.shards.PROGRESS_FILE`), waited for when asked:
+    the trainer follows a generation still under way (`train --follow`). A local log is read from where the
+    last read stopped; on object storage each record is its own object, fetched by name. `timeout`: seconds
+    a shard may be waited for before the run stops with an error naming the generator (0: never wait)."""
+
+    POLL_S = 0.5
+
+    def __init__(self, data_dir, timeout: float = 0.0, planned: int = 0, log=print, generator_pid: int = 0):
+        self.data_dir, self.timeout, self.planned, self.log = location(data_dir), timeout, planned, log
+        self.generator_pid = generator_pid  # `make train`: the generator it started; its exit ends the wait
+        self.log_path = self.data_dir / PROGRESS_FILE
+        self.records: dict[str, dict] = {}
+        self._offset = 0
+        self.waited_s = 0.0
+
+    def _refresh(self) -> None:
+        if is_remote(self.log_path):
+            return
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, 2)
+                if f.tell() < self._offset:  # a new log (the folder was regenerated): read it again
+                    self._offset, self.records = 0, {}
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self._offset += len(complete)
+        for line in complete.decode().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.records[record["path"]] = record
+
+    def _lookup(self, path: str) -> dict | None:
+        if path not in self.records:
+            if is_remote(self.log_path):
+                if (record := read_record(self.log_path, "path", path)) is not None:
+                    self.records[path] = record
+            else:
+                self._refresh()
+        return self.records.get(path)
+
+    def record(self, path: str) -> dict:
+        """Shard `path`'s record, once the generator has written the shard."""
+        if (record := self._lookup(path)) is not None:
+            return record
+        if not self.timeout:
+            raise DataError(f"{self.data_dir / path} has no record in {self.log_path}: the folder was not made by "
+                            f"`make generate-epochs`, or its log was removed; run it again")
+        t0 = time.time()
+        self.log(f"train: waiting for the generator: {path} is not written yet ({len(self.records)} of "
+                 f"{self.planned or '?'} shards so far); stopping if it is not there in {self.timeout:.0f}s")
+        while (record := self._lookup(path)) is None:
+            if self.generator_pid and not running(self.generator_pid) and self._lookup(path) is None:
+                raise DataError(f"the generator (pid {self.generator_pid}) exited before writing {self.data_dir / path}; "
+                                f"see its output, fix what it says, then run the command again (both resume)")
+            if time.time() - t0 > self.timeout:
+                raise DataError(f"{self.data_dir / path} was not written within {self.timeout:.0f}s of being "
+                                f"needed (train --follow); {self.generator()}. Run `make generate-epochs` (it "
+                                f"resumes where it stopped), then train again with --resume")
+            time.sleep(self.POLL_S)
+        self.waited_s += time.time() - t0
+        self.log(f"train: {path} written after {time.time() - t0:.1f}s; going on")
+        return record
+
+    def generator(self) -> str:
+        """Who writes the folder, from its lock (common.io.FolderLock), and whether it still runs."""
+        lock = FolderLock(self.data_dir, "")
+        owner = lock._owner()
+        if not owner:
+            return f"no generator holds the folder's lock ({lock.path}): none is running on this machine"
+        state = "still running" if _alive(owner.get("pid", 0)) else "no longer running"
+        return (f"its generator, {owner.get('what')} (pid {owner.get('pid')} on {owner.get('host')}, since "
+                f"{owner.get('since')}), is {state}")
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (an exited child its parent has not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return _alive(pid)
+
+
+def planned_manifest(data_dir, config: RunConfig, timeout: float, log=print, generator_pid: int = 0) -> dict:
+    """What plan.json says the folder will hold, shaped as the manifest's shard lists (no sizes nor hashes:
+    those come with each shard's record). Waits up to `timeout` for plan.json (a generator starting up)."""
+    path, t0 = location(data_dir) / PLAN_FILE, time.time()
+    if not path.is_file():
+        log(f"train: waiting for the generator to start writing {data_dir} ({PLAN_FILE})")
+    while not path.is_file():
+        if generator_pid and not running(generator_pid) and not path.is_file():
+            raise DataError(f"the generator (pid {generator_pid}) exited before starting {data_dir}; see its output")
+        if time.time() - t0 > timeout:
+            raise DataError(f"{path} did not appear within {timeout:.0f}s (train --follow): start `make "
+                            f"generate-epochs` for {data_dir}, or train on a finished folder")
+        time.sleep(Follower.POLL_S)
+    plan = json.loads(path.read_text())
+    if plan.get("format_version") != FORMAT_VERSION or "shards" not in plan:
+        raise DataError(f"{path} was written by an older generator and lists no shards; let it finish and train "
+                        f"without --follow, or generate the folder again")
+    manifest = {**plan, "epochs": [{"shards": [{"path": p, "rows": r} for p, r in shards]}
+                                   for shards in plan["shards"]["epochs"]],
+                "valid": {"shards": [{"path": p, "rows": r} for p, r in plan["shards"]["valid"]]}}
+    check_data(manifest, data_dir, config)
+    return manifest
+
+
+def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, generator_pid: int = 0) -> dict:
+    """The trainer's view of a shard folder: the training and validation streams, the replaced-token prior and
+    the data fingerprint. A finished folder is read by its manifest; with `follow` (a timeout in seconds) a
+    folder still being generated is read by its plan, each shard once its record is written. Both give the
+    same prior (the replaced fraction of the shards of the first global batch, from their records) and the
+    same fingerprint (`common.shards.stream_fingerprint`), so a followed run is the run on the finished folder."""
+    finished = (location(data_dir) / MANIFEST_FILE).is_file()
+    if finished or not follow:
+        manifest, fingerprint = load_data_manifest(data_dir, config)
+        follower = Follower(data_dir, 0.0)
+    else:
+        manifest = planned_manifest(data_dir, config, follow, log, generator_pid)
+        planned = len(manifest["valid"]["shards"]) + sum(len(e["shards"]) for e in manifest["epochs"])
+        follower = Follower(data_dir, follow, planned, log, generator_pid)
+    train_shards = [s for e in manifest["epochs"] for s in e["shards"]]
+    first, rows = [], 0
+    for shard in train_shards:  # the shards holding the first global batch
+        if rows >= max(config.train.batch_size, 1):
+            break
+        first.append(follower.record(shard["path"]))
+        rows += shard["rows"]
+    replaced, tokens = sum(r["replaced"] for r in first), sum(r["tokens"] for r in first)
+    prior = min(max(replaced / max(tokens, 1), 1e-4), 1 - 1e-4)
+    if not finished and follow:
+        listed = [(s["path"], s["rows"]) for s in train_shards] + [(s["path"], s["rows"]) for s in manifest["valid"]["shards"]]
+        fingerprint = stream_fingerprint(manifest["generation_key"], listed, first[0].get("device", "?"))
+    watch = follower if not finished and follow else None
+    return {"manifest": manifest, "fingerprint": fingerprint, "prior": prior, "following": watch is not None,
+            "train": ShardStream(data_dir, train_shards, watch), "valid": ShardStream(data_dir, manifest["valid"]["shards"], watch)}
+
+
+def remote_parquet(path, counter) -> tuple:
+    """An object's Parquet file for ranged reads, and its footer, fetched with two GETs of exactly its size (the
+    reader's own first read is a speculative 64 KB at the end: for a small shard, all of it, on every rank)."""
+    import pyarrow.parquet as pq
+    file = CountedReads(path.open_input(), counter)
+    size = file.native.size()
+    file.seek(size - 8)
+    tail = file.read(8)
+    length = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or length + 12 > size:
+        raise OSError(f"{path}: not a Parquet file (no footer)")
+    file.seek(size - 8 - length)
+    footer = pq.read_metadata(pa.BufferReader(b"PAR1" + file.read(length) + tail))
+    return pa.PythonFile(file, mode="r"), footer
+
+
+class CountedReads(io.RawIOBase):
+    """A remote file's reads, counted (`ShardStream.bytes_fetched`): each is one ranged GET."""
+
+    def __init__(self, native, counter):
+        super().__init__()
+        self.native, self.counter = native, counter
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.native.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.native.tell()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.native.read() if size is None or size < 0 else self.native.read(size)
+        self.counter(len(data))
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.native.close()
+        super().close()
 
 
 @dataclass
 class Shard:
     start: int  # stream index of its first row
     rows: int
-    path: Path
-    bytes: int
-    sha256: str
+    path: object  # pathlib.Path or common.storage.ObjectPath
+    bytes: int | None  # None: not written yet (a followed generation); known from its record
+    sha256: str | None
+    name: str = ""  # its path in the folder (the key of its record)
 
 
 class ShardStream:
@@ -79,22 +285,42 @@ class ShardStream:
 
     CACHED_ROW_GROUPS = 4
 
-    def __init__(self, data_dir: str | Path, shard_records: list[dict]):
-        self.shards, position = [], 0
+    def __init__(self, data_dir, shard_records: list[dict], follower: Follower | None = None):
+        data_dir = location(data_dir)
+        self.shards, position, self.follower = [], 0, follower
         for record in shard_records:
-            self.shards.append(Shard(position, record["rows"], Path(data_dir) / record["path"],
-                                     record["bytes"], record["sha256"]))
+            self.shards.append(Shard(position, record["rows"], data_dir / record["path"],
+                                     record.get("bytes"), record.get("sha256"), record["path"]))
             position += record["rows"]
         self.num_rows = position
-        problems = [f"{s.path} is missing" if not s.path.is_file() else
-                    f"{s.path} has {s.path.stat().st_size} bytes, the manifest says {s.bytes}"
-                    for s in self.shards if not s.path.is_file() or s.path.stat().st_size != s.bytes]
-        if problems:
-            raise DataError("shards do not match the manifest: " + "; ".join(problems[:5]))
+        if follower is None:
+            sizes = object_sizes(data_dir) if is_remote(data_dir) else {}
+            size = (lambda s: sizes.get(str(s.path))) if is_remote(data_dir) else \
+                (lambda s: s.path.stat().st_size if s.path.is_file() else None)
+            problems = [f"{s.path} is missing" if got is None else f"{s.path} has {got} bytes, the manifest says {s.bytes}"
+                        for s in self.shards if (got := size(s)) != s.bytes]
+            if problems:
+                raise DataError("shards do not match the manifest: " + "; ".join(problems[:5]))
         self._starts = [s.start for s in self.shards]
         self._files: OrderedDict[int, tuple] = OrderedDict()  # shard -> (ParquetFile, row group starts)
         self._cache: OrderedDict[tuple, dict] = OrderedDict()
         self.bytes_read, self.bytes_decompressed = 0, 0
+        self.bytes_fetched = 0  # object storage: bytes of the ranged GETs made (CountedReads)
+        self.verify_arrivals = False  # train.verify_shards on a followed generation: hash each shard as it arrives
+
+    def _count(self, n: int) -> None:
+        self.bytes_fetched += n
+
+    def _arrived(self, k: int) -> None:
+        """A followed generation: wait for shard k's record, then check the file's size against it."""
+        shard = self.shards[k]
+        record = self.follower.record(shard.name)
+        shard.bytes, shard.sha256 = record["bytes"], record["sha256"]
+        got = shard.path.stat().st_size if shard.path.is_file() else None
+        if got != shard.bytes:
+            raise DataError(f"{shard.path} has {got} bytes, its record in the generator's log says {shard.bytes}")
+        if self.verify_arrivals and (digest := sha256_file(shard.path)) != shard.sha256:
+            raise DataError(f"{shard.path} has sha256 {digest[:12]}, its record says {shard.sha256[:12]}")
 
     def verify(self, rank: int = 0, world: int = 1, threads: int = 4) -> list[str]:
         """sha256 of every `world`-th shard from `rank` on, against the manifest, in threads (hashing
@@ -111,8 +337,11 @@ class ShardStream:
             self._files.move_to_end(k)
             return self._files[k]
         shard = self.shards[k]
+        if shard.bytes is None:
+            self._arrived(k)
         try:
-            file = open_parquet(shard.path, SHARD_SCHEMA)
+            source, footer = remote_parquet(shard.path, self._count) if is_remote(shard.path) else (None, None)
+            file = open_parquet(shard.path, SHARD_SCHEMA, source, footer)
         except Exception as e:  # noqa: BLE001 - any unreadable footer or schema is damage
             raise DataError(f"{shard.path} is damaged: {type(e).__name__}: {e}; run `make generate-epochs` "
                             f"(it redoes damaged shards), then train with --resume") from None
@@ -174,11 +403,18 @@ class ShardStream:
         return out
 
 
-def training_stream(data_dir: str | Path, manifest: dict) -> ShardStream:
+def object_sizes(folder) -> dict[str, int]:
+    """Size of every object under a prefix, by URI, from listings (not one request per shard)."""
+    import pyarrow.fs as pafs
+    infos = folder.fs.get_file_info(pafs.FileSelector(folder.key, allow_not_found=True, recursive=True))
+    return {f"{folder.scheme}://{i.path}": i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def training_stream(data_dir, manifest: dict) -> ShardStream:
     return ShardStream(data_dir, [s for e in manifest["epochs"] for s in e["shards"]])
 
 
-def validation_stream(data_dir: str | Path, manifest: dict) -> ShardStream:
+def validation_stream(data_dir, manifest: dict) -> ShardStream:
     return ShardStream(data_dir, manifest["valid"]["shards"])
 
 

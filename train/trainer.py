@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
 import resource
 import time
 import warnings
@@ -23,18 +24,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.checkpoint import AUX_FILE, latest_checkpoint
+from common.checkpoint import AUX_FILE, latest_checkpoint, local_aux
 from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
-from common.corpus import load_corpus_meta
+from common.corpus import load_corpus_meta, local_corpus
 from common.tokenizer import Reserved, tokenizer_reserved
 from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
 from common.io import FolderLock, atomic_write_json, atomic_write_text
+from common.storage import is_remote, location
 from common.memory import preflight
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
 from train import state
-from train.data import DataError, load_data_manifest, rank_slice, replaced_rate, to_tensors, training_stream, validation_stream
+from train.data import DataError, open_data, rank_slice, to_tensors
 from train.metrics import TensorBoardLog, rtd_metrics
 from train.mlm import MLMObjective, evaluate_mlm, mlm_streams, mlm_tensors
 from train.objectives import ElectraPair, electra_tensors, forward_losses, objective
@@ -71,19 +73,25 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
     """(training stream, validation rows, vocabulary size, replaced-token prior, data key, data description,
     the sha256 of the tokenizer the data was made with)."""
     objective_name = config.train.objective
-    corpus_dir = Path(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    corpus_dir = location(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    if objective_name != "fast-offline":
+        corpus_dir = local_corpus(corpus_dir)  # the rows themselves: a copy on this machine if on object storage
     if objective_name == "mlm":  # the aux model's own training on the corpus (`make aux`)
         stream, valid, vocab_size, key = mlm_streams(config, corpus_dir)
         return (stream, valid, vocab_size, None, key, f"mlm on {corpus_dir}",
                 load_corpus_meta(corpus_dir)["tokenizer_sha256"])
-    if objective_name == "fast-offline":  # the product: shards written once by generate/
-        data_dir = Path(args.data) if args.data else config.epochs_dir
-        manifest, manifest_hash = load_data_manifest(data_dir, config)
-        return (training_stream(data_dir, manifest), validation_stream(data_dir, manifest), manifest["vocab_size"],
-                replaced_rate(manifest), manifest_hash, data_dir, manifest.get("tokenizer_sha256", ""))
+    if objective_name == "fast-offline":  # the product: shards written once by generate/ (or being written: --follow)
+        data_dir = location(args.data) if args.data else config.epochs_dir
+        follow = getattr(args, "follow_timeout", 600.0) if getattr(args, "follow", False) else 0.0
+        quiet = int(os.environ.get("RANK", "0")) != 0
+        data = open_data(data_dir, config, follow, log=(lambda _: None) if quiet else tqdm.write,
+                         generator_pid=getattr(args, "follow_pid", 0) or 0)
+        manifest = data["manifest"]
+        return (data["train"], data["valid"], manifest["vocab_size"], data["prior"], data["fingerprint"], data_dir,
+                manifest.get("tokenizer_sha256", ""))
     # fast-online: the same rows, corrupted in the loop by the frozen aux model; electra: by the generator
     from train.online import online_streams
-    aux_path = Path(args.aux) if getattr(args, "aux", None) else config.aux_dir / AUX_FILE
+    aux_path = local_aux(location(args.aux) if getattr(args, "aux", None) else config.aux_dir / AUX_FILE)
     stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, device.type,
                                                               corrupt=objective_name == "fast-online")
     prior = config.generate.mask_prob  # nearly every masked position is replaced (shards: ~0.99)
@@ -183,7 +191,10 @@ def train(args, after_step=None) -> dict:
     is called after every update (the tests' fault injection). Rank 0 holds the run folder's lock."""
     rank, world, device = setup_distributed()
     config = load_manifest(args.manifest, getattr(args, "sets", ()))
-    run_dir = Path(args.out) if args.out else config.run_dir
+    run_dir = location(args.out) if args.out else config.run_dir
+    if is_remote(run_dir):
+        raise ConfigError(f"the run folder must be on this machine's file system, not {run_dir} (checkpoints and "
+                          f"metrics are written locally; the data, corpus and aux model may be on object storage)")
     lock = FolderLock(run_dir, "the trainer").acquire() if rank == 0 else None
     try:
         return run(args, config, run_dir, rank, world, device, after_step)
@@ -204,8 +215,11 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     preflight(config, vocab_size, micro, device, what="aux" if mlm else "train", share=tc.batch_size // world)
     # train.verify_shards: this rank's shards' sha256 too, while the model is built and the step-0 evaluation
     # runs (fast-offline); without it every page read is checked against its CRC32 as it is read.
+    following = getattr(stream, "follower", None) is not None  # shards checked as they arrive instead
+    if following:
+        stream.verify_arrivals = tc.verify_shards
     checking = ThreadPoolExecutor(max_workers=1).submit(stream.verify, rank, world) \
-        if tc.verify_shards and hasattr(stream, "verify") else None
+        if tc.verify_shards and hasattr(stream, "verify") and not following else None
     needed = tc.max_steps * tc.batch_size
     if stream.num_rows < needed and not tc.allow_short_stream:  # never silently fewer steps than asked
         raise DataError(f"{data_desc} holds {stream.num_rows} training rows; train.max_steps {tc.max_steps} x "
@@ -218,8 +232,8 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     dropped_rows = stream.num_rows - total_steps * tc.batch_size
 
     # the ids never masked nor sampled: the specials, and an hf: tokenizer's unused entries
-    corpus_dir = Path(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
-    reserved = tokenizer_reserved(corpus_dir) if tc.objective in ("electra", "mlm") else Reserved()
+    corpus_dir = location(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    reserved = tokenizer_reserved(local_corpus(corpus_dir)) if tc.objective in ("electra", "mlm") else Reserved()
     mask_prob = config.aux.mask_prob if mlm else config.generate.mask_prob
     masking = {"seed": config.seed, "mask_prob": mask_prob, "reserved": reserved, "vocab_size": vocab_size}
     to_batch = (partial(mlm_tensors, **masking) if mlm else partial(electra_tensors, **masking)

@@ -1,0 +1,98 @@
+"""Training that follows the generation (`train --follow`): real generator and trainer processes.
+
+The trainer starts while the generator still writes, waits for each shard it needs, and ends with the
+losses of a run over the finished folder; a generator killed mid-way stops the waiting trainer with an
+error naming it, and after the generator is rerun the trainer resumes and still ends with those losses.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from generate.job import SLOW_ENV
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _generator(manifest, out, seconds_per_shard: float, env):
+    return subprocess.Popen([sys.executable, "-m", "generate", "--manifest", str(manifest), "--out", str(out),
+                             "--workers", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**env, SLOW_ENV: str(seconds_per_shard)}, start_new_session=True)
+
+
+def _trainer(manifest, data, run, env, *extra):
+    return subprocess.Popen([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data),
+                             "--out", str(run), *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+
+
+def _records(out) -> list[dict]:
+    path = out / "progress.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _wait_for(condition, what: str, timeout: float = 120):
+    t0 = time.time()
+    while not condition():
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _losses(run) -> list:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
+def test_a_trainer_started_during_the_second_epoch_ends_with_the_losses_of_the_finished_folder(
+        generated, trained_reference, tmp_path, env_with_repo):
+    manifest, _, _ = generated
+    data = tmp_path / "epochs"
+    gen = _generator(manifest, data, 1.0, env_with_repo)
+    plan = None
+    try:
+        _wait_for(lambda: (data / "plan.json").is_file(), "plan.json")
+        plan = json.loads((data / "plan.json").read_text())
+        second = {p for p, _ in plan["shards"]["epochs"][1]}
+        _wait_for(lambda: any(r["path"] in second for r in _records(data)), "a shard of the second epoch")
+        assert not (data / "manifest.json").exists()
+        trainer = _trainer(manifest, data, tmp_path / "run", env_with_repo, "--follow", "--follow-timeout", "60")
+        out, _ = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, out[-3000:]
+    finally:
+        gen.wait(timeout=300)
+    assert gen.returncode == 0, gen.stderr.read()[-3000:]
+    done = {r["path"] for r in _records(data)}
+    assert second - done == set() and "waiting for the generator" in out  # it caught up and waited
+    assert _losses(tmp_path / "run") == trained_reference  # bitwise: the same floats at every step
+
+
+def test_a_dead_generator_stops_the_waiting_trainer_which_resumes_when_generation_does(
+        generated, trained_reference, tmp_path, env_with_repo):
+    manifest, _, _ = generated
+    data, run = tmp_path / "epochs", tmp_path / "run"
+    gen = _generator(manifest, data, 1.5, env_with_repo)
+    _wait_for(lambda: len(_records(data)) >= 3, "three shards")
+    trainer = _trainer(manifest, data, run, env_with_repo, "--follow", "--follow-timeout", "6")
+    _wait_for(lambda: (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir()), "a checkpoint")
+    os.killpg(gen.pid, signal.SIGKILL)  # the generator and its Ray actors, as a crash would
+    gen.wait(timeout=60)
+    out, _ = trainer.communicate(timeout=300)
+    assert trainer.returncode == 2, out[-3000:]
+    assert "was not written within 6s" in out and "no longer running" in out and f"pid {gen.pid}" in out, out[-2000:]
+    assert not (data / "manifest.json").exists()
+
+    gen = _generator(manifest, data, 0.3, env_with_repo)  # generation resumes; so does the trainer
+    try:
+        trainer = _trainer(manifest, data, run, env_with_repo, "--follow", "--resume")
+        out, _ = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, out[-3000:]
+        assert "resumed from" in out
+    finally:
+        gen.wait(timeout=300)
+    assert gen.returncode == 0
+    assert _losses(run) == trained_reference
