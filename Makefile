@@ -69,17 +69,20 @@ generate-epochs: aux
 LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m train.launch --standalone --nproc_per_node $(NPROC))
 
 # Training follows the generation: the generator runs in the background (a finished folder: checked, then done)
-# while the trainer waits for each step's shards (train --follow). Its output: $(DATA_DIR).generate.log.
-GEN_LOG := $(if $(findstring ://,$(DATA_DIR)),$(WORK)/generate.log,$(DATA_DIR).generate.log)
+# while the trainer waits for each step's shards (train --follow). Its output: GEN_LOG, beside the folder (for
+# object storage, in WORK). Ctrl-C or a failed trainer stops the generator too; rerunning resumes both.
+GEN_LOG := $(if $(findstring ://,$(DATA_DIR)),$(WORK)/generate.log,$(patsubst %/,%,$(DATA_DIR)).generate.log)
 train: aux
 	@mkdir -p $(dir $(GEN_LOG)); \
 	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS)) \
 	    > $(GEN_LOG) 2>&1 & gen=$$!; \
+	trap 'kill $$gen 2>/dev/null; exit 130' INT TERM; \
 	echo "generate: writing $(DATA_DIR) in the background (log: $(GEN_LOG)); the trainer follows it"; \
 	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume \
 	    --follow --follow-pid $$gen; rc=$$?; \
 	if [ $$rc -ne 0 ]; then kill $$gen 2>/dev/null; fi; wait $$gen; grc=$$?; \
-	if [ $$grc -ne 0 ] && [ $$rc -eq 0 ]; then tail -n 5 $(GEN_LOG) >&2; echo "error: the generator failed (exit $$grc; log: $(GEN_LOG))" >&2; exit $$grc; fi; \
+	if [ $$grc -ne 0 ] && [ $$grc -ne 143 ]; then tail -n 5 $(GEN_LOG) >&2; \
+	    echo "error: the generator failed (exit $$grc; log: $(GEN_LOG))" >&2; [ $$rc -ne 0 ] || exit $$grc; fi; \
 	grep '^generate: ' $(GEN_LOG) | tail -n 1; exit $$rc
 	@echo "next: make finetune (README: Fine-tuning) | make sweep (Stages) | make train CORPUS=your/texts (Your own corpus) | MANIFEST=manifests/base.toml (Scaling out)"
 
@@ -159,10 +162,10 @@ bench-flops: setup
 TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
 test: setup
-	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(WORK)

@@ -411,7 +411,7 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.work_dir) / "runs" / "default"
+        return location(self.work_dir) / "runs" / "default"  # the trainer refuses one on object storage
 
 
 def build_config(cls, data: dict, where: str = ""):

@@ -113,7 +113,7 @@ def read_record(path, key: str, value: str) -> dict | None:
     if is_remote(path):
         try:
             return json.loads((record_objects(path) / f"{value}.json").read_text())
-        except (FileNotFoundError, OSError, json.JSONDecodeError):
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet; any other error is the storage's
             return None
     return read_records(path, key).get(value)
 
@@ -165,7 +165,8 @@ class FolderLock:
         self.folder, self.what = location(folder), what
         if is_remote(self.folder):  # object storage has no exclusive create: the lock guards this machine's writers
             from common.storage import cache_folder
-            self.path = cache_folder(self.folder, "locks").with_suffix(".lock")
+            cached = cache_folder(self.folder, "locks")
+            self.path = cached.with_name(cached.name + ".lock")  # not with_suffix: a dot in the name would be cut
         else:
             self.path = self.folder.with_name(f".{self.folder.name}.lock")
 

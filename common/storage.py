@@ -18,6 +18,7 @@ What object storage cannot do, and what stands in for it (docs/design.md, object
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -175,6 +176,15 @@ class ObjectPath:
         self.fs.delete_dir_contents(self.key, missing_dir_ok=True)
 
 
+def list_files(folder: "ObjectPath") -> dict[str, SimpleNamespace]:
+    """Every object under a prefix, by its path relative to the prefix, with `st_size` and `st_mtime_ns`: one
+    listing (a request per 1,000 objects) instead of a request per object."""
+    import pyarrow.fs as pafs
+    infos = folder.fs.get_file_info(pafs.FileSelector(folder.key, allow_not_found=True, recursive=True))
+    return {i.path[len(folder.key) + 1:]: SimpleNamespace(st_size=i.size, st_mtime_ns=i.mtime_ns or 0)
+            for i in infos if i.type == pafs.FileType.File}
+
+
 def read_range(path: "Path | ObjectPath"):
     """A file for random reads (what Parquet readers take): local, or ranged GETs on object storage."""
     return path.open_input() if is_remote(path) else open(path, "rb")
@@ -198,11 +208,18 @@ def cache_folder(remote: "ObjectPath", what: str) -> Path:
 
 
 def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None = None) -> Path:
-    """`local`, holding `remote`'s bytes: downloaded once (to a temporary name, then renamed), reused while its
-    size matches the record; a fresh download is checked against `sha256`."""
-    if local.is_file() and local.stat().st_size == size:
+    """`local`, holding `remote`'s bytes: downloaded (to a temporary name, then renamed) and checked against
+    `size` and `sha256`, then reused while a stamp beside it (`NAME.stamp`: the sha256 it was checked against,
+    or without one the object's modification time, and the local file's size and time) still holds."""
+    from common.io import atomic_path, atomic_write_text, sha256_file
+    stamp_path = local.with_name(local.name + ".stamp")
+    source = sha256 or f"object modified {remote.stat().st_mtime_ns}"  # small files without a recorded sha256
+
+    def stamp() -> str:
+        return json.dumps([source, local.stat().st_size, local.stat().st_mtime_ns])
+
+    if local.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp() and local.stat().st_size == size:
         return local
-    from common.io import atomic_path, sha256_file
     with atomic_path(local) as tmp:
         with remote.fs.open_input_stream(remote.key) as src, open(tmp, "wb") as out:
             while block := src.read(8 << 20):
@@ -211,6 +228,7 @@ def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None 
         if got != size or (sha256 and sha256_file(tmp) != sha256):
             raise OSError(f"{remote}: downloaded {got} bytes whose size or sha256 differ from its record "
                           f"({size} bytes); the object was replaced or damaged")
+    atomic_write_text(stamp_path, stamp())
     return local
 
 

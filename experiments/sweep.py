@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs
+from common.storage import location
 from common.config import ConfigError, RunConfig, config_from_dict, config_to_dict, dump_toml, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
@@ -103,8 +104,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_manifest(args.manifest)
-        data_dir = Path(args.data) if args.data else config.epochs_dir
-        out_dir = Path(args.out) if args.out else Path(config.work_dir) / "sweeps" / config.name
+        data_dir = location(args.data) if args.data else config.epochs_dir
+        out_dir = location(args.out) if args.out else location(config.work_dir) / "sweeps" / config.name
         rows = sweep(config, data_dir, out_dir, args.nproc)
     except (ConfigError, DataError, IncompatibleInputs) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,7 +9,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from common.checkpoint import local_aux
 from common.io import FolderLocked
+from common.storage import location
 from export.exporter import check_output, export, from_aux, from_run, require_transformers
 
 
@@ -28,11 +30,11 @@ def main(argv=None) -> int:
         require_transformers()
         out = Path(args.out)
         check_output(out, args.force)  # before reading anything large
-        corpus = Path(args.corpus) if args.corpus else None
+        corpus = location(args.corpus) if args.corpus else None  # a folder or an s3:// prefix
         if args.run:
-            trained = from_run(Path(args.run), corpus, Path(args.data) if args.data else None)
+            trained = from_run(Path(args.run), corpus, location(args.data) if args.data else None)
         else:
-            trained = from_aux(Path(args.aux), corpus)
+            trained = from_aux(local_aux(args.aux), corpus)
         export(trained, out, force=args.force)
     except (ValueError, OSError, FolderLocked) as e:  # ExportError; config, corpus, checkpoint, hf:, file errors
         print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)

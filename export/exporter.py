@@ -28,7 +28,7 @@ import torch
 from common import hf
 from common.checkpoint import latest_checkpoint, read_aux_meta, safe_load
 from common.config import ModelConfig, RunConfig, config_from_dict, load_manifest
-from common.corpus import SplitRows, load_corpus_meta
+from common.corpus import SplitRows, load_corpus_meta, local_corpus
 from common.io import FolderLock, publish_folder, sha256_file
 from common.model import MaskedLM, ReplacedTokenDetector, count_parameters
 from common.shards import MANIFEST_FILE, data_fingerprint
@@ -129,7 +129,7 @@ def from_run(run: Path, corpus: Path | None = None, data: Path | None = None) ->
     if "encoder.embed.weight" not in weights or "head.out.weight" not in weights:
         raise ExportError(f"{path} holds no replaced-token detector (encoder.* and head.* weights)")
     vocab_size = weights["encoder.embed.weight"].shape[0]
-    corpus_dir = corpus or config.corpus_dir
+    corpus_dir = local_corpus(corpus or config.corpus_dir)  # object storage: this machine's copy
     tokenizer = open_corpus_tokenizer(corpus_dir, vocab_size, path)
     recorded = state.get("tokenizer_sha256") or ""  # the corpus.json hash the trainer saw; older checkpoints: none
     if recorded and recorded != tokenizer.sha256:
@@ -183,6 +183,7 @@ def from_aux(aux_path: Path, corpus: Path | None = None) -> Trained:
         if config is None:
             raise ExportError(f"{folder} has no resolved_manifest.toml to find the corpus by; pass --corpus")
         corpus = config.corpus_dir
+    corpus = local_corpus(corpus)  # object storage: this machine's copy
     tokenizer = open_corpus_tokenizer(corpus, payload["vocab_size"], aux_path)
     if tokenizer.sha256 != payload["tokenizer_sha256"]:
         raise ExportError(f"{aux_path} was trained with tokenizer sha256 {payload['tokenizer_sha256'][:12]} but "

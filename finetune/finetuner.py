@@ -32,6 +32,7 @@ from tqdm import tqdm
 from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs, latest_checkpoint, safe_load
 from common.config import ConfigError, ModelConfig, RunConfig, config_from_dict, load_manifest
+from common.corpus import local_corpus
 from common.io import atomic_write_json, atomic_write_text, sha256_file
 from common.model import Encoder, ReplacedTokenDetector, count_parameters, init_weights
 from common.optim import build_scheduler
@@ -90,7 +91,7 @@ def load_backbone(checkpoint: str | None, manifest: str, init: str, corpus: str 
         raise ConfigError("pass --checkpoint (a trainer checkpoint or run folder), or --init none")
     else:
         config = load_manifest(manifest)
-    corpus_dir = Path(corpus) if corpus else config.corpus_dir
+    corpus_dir = local_corpus(corpus or config.corpus_dir)  # a folder, or this machine's copy of an s3:// corpus
     tokenizer = Tokenizer(corpus_dir / "tokenizer.model")
     source = {"init": init, "tokenizer": str(tokenizer.path), "tokenizer_sha256": tokenizer.sha256,
               "model": dataclasses.asdict(config.model)}

@@ -25,7 +25,7 @@ from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, SHARD_SCHEMA
 from common.sources import CorpusError
 from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
 from common.corrupt import needs_term_counts
-from common.storage import is_remote, location, rmtree
+from common.storage import is_remote, list_files, location, rmtree
 
 
 class OutputConflict(ValueError):
@@ -68,22 +68,26 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
 VERIFIED_FILE = "verified.json"
 
 
-def file_stamp(path) -> list[int]:
-    """What a file's verification is keyed by: its size and modification time (ns)."""
-    stat = path.stat()
+def file_stamp(path, listed: dict | None = None, name: str = "") -> list[int]:
+    """What a file's verification is keyed by: its size and modification time (ns). `listed`: an object
+    storage folder's listing (`common.storage.list_files`), looked up by `name` instead of asking per object."""
+    stat = listed[name] if listed is not None else path.stat()
     return [stat.st_size, stat.st_mtime_ns]
 
 
-def verified(record: dict | None, out_dir: Path, stamps: dict | None = None) -> bool:
+def verified(record: dict | None, out_dir, stamps: dict | None = None, listed: dict | None = None) -> bool:
     """A finished shard is trusted only if its size and sha256 match its record. `stamps`: the size and
     modification time each shard had when its sha256 was last checked (verified.json); a shard whose
     stamp is unchanged is trusted without reading it again, any other is hashed."""
     if not record:
         return False
     path = out_dir / record["path"]
-    if not path.is_file() or path.stat().st_size != record["bytes"]:
+    if listed is not None:
+        if record["path"] not in listed or listed[record["path"]].st_size != record["bytes"]:
+            return False
+    elif not path.is_file() or path.stat().st_size != record["bytes"]:
         return False
-    if stamps is not None and stamps.get(record["path"]) == [record["sha256"], *file_stamp(path)]:
+    if stamps is not None and stamps.get(record["path"]) == [record["sha256"], *file_stamp(path, listed, record["path"])]:
         return True
     return sha256_file(path) == record["sha256"]
 
@@ -106,7 +110,8 @@ def summarize_epochs(records: list[dict], tasks, curriculum: dict | None = None)
         (valid if task.split == "valid" else epochs.setdefault(task.epoch, [])).append(by_path[task.path])
 
     def stats(shards):
-        shard_fields = ("path", "rows", "tokens", "bytes", "sha256", "stream_start", "temperature_min", "temperature_max")
+        shard_fields = ("path", "rows", "tokens", "bytes", "sha256", "stream_start", "temperature_min", "temperature_max",
+                        "masked", "replaced")  # the trainer's prior: the replaced share of its first batch's shards
         masked = sum(s["masked"] for s in shards)
         return {
             "rows": sum(s["rows"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
@@ -173,9 +178,11 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     known = read_progress(out_dir)  # holds the same sizes and hashes as manifest.json
     manifest_path = out_dir / MANIFEST_FILE
     stamps = None if verify else read_stamps(out_dir)
-    done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir, stamps)}
+    listed = list_files(out_dir) if is_remote(out_dir) else None  # object storage: one listing, not a request per shard
+    done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir, stamps, listed)}
     # what was hashed now (or written before) keeps its stamp: the next start reads none of it
-    atomic_write_json(out_dir / VERIFIED_FILE, {p: [r["sha256"], *file_stamp(out_dir / p)] for p, r in done.items()})
+    atomic_write_json(out_dir / VERIFIED_FILE, {p: [r["sha256"], *file_stamp(out_dir / p, listed, p)]
+                                                for p, r in done.items()})
     for path in sorted(set(known) & {t.path for t in tasks} - set(done)):
         log(f"generate: {out_dir / path} is missing or damaged (size or sha256 differ from its record); redoing it")
     todo = [t for t in tasks if t.path not in done]
@@ -210,7 +217,8 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     seconds = time.time() - t0
     all_records = list(done.values()) + records
     # a shard written by this run was hashed as it was written (its record): stamp it now
-    atomic_write_json(out_dir / VERIFIED_FILE, {r["path"]: [r["sha256"], *file_stamp(out_dir / r["path"])]
+    listed = list_files(out_dir) if is_remote(out_dir) else None
+    atomic_write_json(out_dir / VERIFIED_FILE, {r["path"]: [r["sha256"], *file_stamp(out_dir / r["path"], listed, r["path"])]
                                                 for r in all_records})
     epochs, valid = summarize_epochs(all_records, tasks, curriculum_record(config.generate))
     manifest = {

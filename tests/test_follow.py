@@ -4,8 +4,10 @@ The trainer starts while the generator still writes, waits for each shard it nee
 losses of a run over the finished folder; a generator killed mid-way stops the waiting trainer with an
 error naming it, and after the generator is rerun the trainer resumes and still ends with those losses.
 """
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,8 +17,6 @@ import pytest
 
 from generate.job import SLOW_ENV
 from tests.conftest import ROOT
-
-pytestmark = pytest.mark.slow
 
 
 def _generator(manifest, out, seconds_per_shard: float, env):
@@ -32,8 +32,14 @@ def _trainer(manifest, data, run, env, *extra):
 
 
 def _records(out) -> list[dict]:
-    path = out / "progress.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    """The generator's records so far; a line it is still writing is skipped (read again on the next poll)."""
+    path, records = out / "progress.jsonl", []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
 
 
 def _wait_for(condition, what: str, timeout: float = 120):
@@ -48,6 +54,7 @@ def _losses(run) -> list:
             if "loss" in r]
 
 
+@pytest.mark.slow
 def test_a_trainer_started_during_the_second_epoch_ends_with_the_losses_of_the_finished_folder(
         generated, trained_reference, tmp_path, env_with_repo):
     manifest, _, _ = generated
@@ -68,25 +75,34 @@ def test_a_trainer_started_during_the_second_epoch_ends_with_the_losses_of_the_f
     assert gen.returncode == 0, gen.stderr.read()[-3000:]
     done = {r["path"] for r in _records(data)}
     assert second - done == set() and "waiting for the generator" in out  # it caught up and waited
+    print(*[line for line in out.splitlines() if line.startswith("train: followed the generation")])
     assert _losses(tmp_path / "run") == trained_reference  # bitwise: the same floats at every step
 
 
+@pytest.mark.slow
 def test_a_dead_generator_stops_the_waiting_trainer_which_resumes_when_generation_does(
         generated, trained_reference, tmp_path, env_with_repo):
     manifest, _, _ = generated
     data, run = tmp_path / "epochs", tmp_path / "run"
     gen = _generator(manifest, data, 1.5, env_with_repo)
-    _wait_for(lambda: len(_records(data)) >= 3, "three shards")
-    trainer = _trainer(manifest, data, run, env_with_repo, "--follow", "--follow-timeout", "6")
-    _wait_for(lambda: (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir()), "a checkpoint")
-    os.killpg(gen.pid, signal.SIGKILL)  # the generator and its Ray actors, as a crash would
-    gen.wait(timeout=60)
+    trainer = None
+    try:
+        _wait_for(lambda: len(_records(data)) >= 3, "three shards")
+        trainer = _trainer(manifest, data, run, env_with_repo, "--follow", "--follow-timeout", "6")
+        _wait_for(lambda: (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir()), "a checkpoint")
+    except BaseException:
+        if trainer is not None:
+            trainer.kill()
+        raise
+    finally:
+        os.killpg(gen.pid, signal.SIGKILL)  # the generator and its Ray actors, as a crash would
+        gen.wait(timeout=60)
     out, _ = trainer.communicate(timeout=300)
     assert trainer.returncode == 2, out[-3000:]
     assert "was not written within 6s" in out and "no longer running" in out and f"pid {gen.pid}" in out, out[-2000:]
     assert not (data / "manifest.json").exists()
 
-    gen = _generator(manifest, data, 0.3, env_with_repo)  # generation resumes; so does the trainer
+    gen = _generator(manifest, data, 0.0, env_with_repo)  # generation resumes; so does the trainer
     try:
         trainer = _trainer(manifest, data, run, env_with_repo, "--follow", "--resume")
         out, _ = trainer.communicate(timeout=300)
@@ -96,3 +112,24 @@ def test_a_dead_generator_stops_the_waiting_trainer_which_resumes_when_generatio
         gen.wait(timeout=300)
     assert gen.returncode == 0
     assert _losses(run) == trained_reference
+
+
+def test_following_a_folder_of_another_generation_is_refused_before_any_step(generated, built):
+    """`make train` after a [generate] setting (here the seed) changed: the folder holds the old generation, which
+    the generator refuses to overwrite; the trainer refuses it too instead of training on it meanwhile."""
+    from train.data import DataError, open_data
+    _, data, _ = generated
+    assert open_data(data, built, follow=5)["following"] is False  # the same generation: read as finished
+    with pytest.raises(DataError, match="another generation"):
+        open_data(data, dataclasses.replace(built, seed=built.seed + 1), follow=5)
+    open_data(data, dataclasses.replace(built, seed=built.seed + 1))  # without --follow: the folder is trusted
+
+
+def test_the_prior_of_a_finished_folder_needs_no_progress_log(generated, built, tmp_path):
+    from train.data import open_data
+    _, data, _ = generated
+    copy = tmp_path / "epochs"
+    shutil.copytree(data, copy)
+    (copy / "progress.jsonl").unlink()
+    prior = open_data(data, built)["prior"]
+    assert 0 < prior < 0.5 and open_data(copy, built)["prior"] == prior

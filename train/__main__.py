@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="Unix time: stop (evaluate, checkpoint) after the first update that ends past it")
     args = parser.parse_args(argv)
+    if args.follow and args.follow_timeout <= 0:
+        parser.error(f"--follow-timeout must be > 0 seconds, got {args.follow_timeout:g}")
     die_with_parent()
     try:
         train(args, after_step=test_hook())

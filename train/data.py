@@ -27,7 +27,7 @@ from common.corpus import CORPUS_META
 from common.io import FolderLock, _alive, read_record, sha256_file
 from common.shards import (FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA, data_fingerprint,
                            list_column, open_parquet, stream_fingerprint)
-from common.storage import is_remote, location
+from common.storage import is_remote, list_files, location
 
 
 class DataError(ValueError):
@@ -79,6 +79,7 @@ class Follower:
     a shard may be waited for before the run stops with an error naming the generator (0: never wait)."""
 
     POLL_S = 0.5
+    SAY_AFTER_S = 10.0
 
     def __init__(self, data_dir, timeout: float = 0.0, planned: int = 0, log=print, generator_pid: int = 0):
         self.data_dir, self.timeout, self.planned, self.log = location(data_dir), timeout, planned, log
@@ -86,7 +87,7 @@ class Follower:
         self.log_path = self.data_dir / PROGRESS_FILE
         self.records: dict[str, dict] = {}
         self._offset = 0
-        self.waited_s = 0.0
+        self.waited_s, self.waits = 0.0, 0  # time and times the trainer waited for a shard
 
     def _refresh(self) -> None:
         if is_remote(self.log_path):
@@ -125,10 +126,14 @@ class Follower:
         if not self.timeout:
             raise DataError(f"{self.data_dir / path} has no record in {self.log_path}: the folder was not made by "
                             f"`make generate-epochs`, or its log was removed; run it again")
-        t0 = time.time()
-        self.log(f"train: waiting for the generator: {path} is not written yet ({len(self.records)} of "
-                 f"{self.planned or '?'} shards so far); stopping if it is not there in {self.timeout:.0f}s")
+        # The first wait is said, then only a wait longer than SAY_AFTER_S (the trainer catching up with a
+        # generator that keeps pace would print two lines per shard); the total goes in the run's last lines.
+        t0, said = time.time(), False
         while (record := self._lookup(path)) is None:
+            if not said and (not self.waits or time.time() - t0 > self.SAY_AFTER_S):
+                self.log(f"train: waiting for the generator: {path} is not written yet ({len(self.records)} of "
+                         f"{self.planned or '?'} shards so far); stopping if it is not there in {self.timeout:.0f}s")
+                said = True
             if self.generator_pid and not running(self.generator_pid) and self._lookup(path) is None:
                 raise DataError(f"the generator (pid {self.generator_pid}) exited before writing {self.data_dir / path}; "
                                 f"see its output, fix what it says, then run the command again (both resume)")
@@ -138,7 +143,9 @@ class Follower:
                                 f"resumes where it stopped), then train again with --resume")
             time.sleep(self.POLL_S)
         self.waited_s += time.time() - t0
-        self.log(f"train: {path} written after {time.time() - t0:.1f}s; going on")
+        self.waits += 1
+        if said:
+            self.log(f"train: {path} written after {time.time() - t0:.1f}s; going on")
         return record
 
     def generator(self) -> str:
@@ -187,6 +194,20 @@ def planned_manifest(data_dir, config: RunConfig, timeout: float, log=print, gen
     return manifest
 
 
+def expected_key(config: RunConfig) -> str | None:
+    """The generation key of this config with the corpus and aux model at its paths: what the generator that
+    `make train` starts writes. None where either is not there (shards made elsewhere, trusted by their plan)."""
+    from common.checkpoint import AUX_FILE, read_aux_meta
+    from common.plan import generation_key, stream_plan
+    corpus_path = location(config.corpus_dir) / CORPUS_META
+    try:
+        corpus, aux = json.loads(corpus_path.read_text()), read_aux_meta(location(config.aux_dir) / AUX_FILE)
+    except FileNotFoundError:
+        return None
+    total_rows = stream_plan(corpus["train"]["rows"], config).total_rows
+    return generation_key(config.seed, config.generate, corpus, aux["sha256"], total_rows)
+
+
 def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, generator_pid: int = 0) -> dict:
     """The trainer's view of a shard folder: the training and validation streams, the replaced-token prior and
     the data fingerprint. A finished folder is read by its manifest; with `follow` (a timeout in seconds) a
@@ -201,12 +222,17 @@ def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, gener
         manifest = planned_manifest(data_dir, config, follow, log, generator_pid)
         planned = len(manifest["valid"]["shards"]) + sum(len(e["shards"]) for e in manifest["epochs"])
         follower = Follower(data_dir, follow, planned, log, generator_pid)
+    if follow and (ours := expected_key(config)) and manifest.get("generation_key") != ours:
+        raise DataError(f"{data_dir} holds shards of another generation (key {manifest.get('generation_key', '?')[:12]}; "
+                        f"this config, corpus and aux model make {ours[:12]}): the generator will not overwrite them. "
+                        f"Train on another folder (DATA=..., --data), or remove this one and run again")
     train_shards = [s for e in manifest["epochs"] for s in e["shards"]]
     first, rows = [], 0
     for shard in train_shards:  # the shards holding the first global batch
         if rows >= max(config.train.batch_size, 1):
             break
-        first.append(follower.record(shard["path"]))
+        # a finished folder's manifest has the counts (older ones: the progress log)
+        first.append(shard if "replaced" in shard else follower.record(shard["path"]))
         rows += shard["rows"]
     replaced, tokens = sum(r["replaced"] for r in first), sum(r["tokens"] for r in first)
     prior = min(max(replaced / max(tokens, 1), 1e-4), 1 - 1e-4)
@@ -294,8 +320,8 @@ class ShardStream:
             position += record["rows"]
         self.num_rows = position
         if follower is None:
-            sizes = object_sizes(data_dir) if is_remote(data_dir) else {}
-            size = (lambda s: sizes.get(str(s.path))) if is_remote(data_dir) else \
+            listed = list_files(data_dir) if is_remote(data_dir) else {}
+            size = (lambda s: getattr(listed.get(s.name), "st_size", None)) if is_remote(data_dir) else \
                 (lambda s: s.path.stat().st_size if s.path.is_file() else None)
             problems = [f"{s.path} is missing" if got is None else f"{s.path} has {got} bytes, the manifest says {s.bytes}"
                         for s in self.shards if (got := size(s)) != s.bytes]
@@ -306,7 +332,8 @@ class ShardStream:
         self._cache: OrderedDict[tuple, dict] = OrderedDict()
         self.bytes_read, self.bytes_decompressed = 0, 0
         self.bytes_fetched = 0  # object storage: bytes of the ranged GETs made (CountedReads)
-        self.verify_arrivals = False  # train.verify_shards on a followed generation: hash each shard as it arrives
+        # train.verify_shards on a followed generation: (rank, world); each rank hashes its share as it arrives
+        self.verify_arrivals: tuple[int, int] | None = None
 
     def _count(self, n: int) -> None:
         self.bytes_fetched += n
@@ -319,7 +346,8 @@ class ShardStream:
         got = shard.path.stat().st_size if shard.path.is_file() else None
         if got != shard.bytes:
             raise DataError(f"{shard.path} has {got} bytes, its record in the generator's log says {shard.bytes}")
-        if self.verify_arrivals and (digest := sha256_file(shard.path)) != shard.sha256:
+        if self.verify_arrivals and k % self.verify_arrivals[1] == self.verify_arrivals[0] and \
+                (digest := sha256_file(shard.path)) != shard.sha256:
             raise DataError(f"{shard.path} has sha256 {digest[:12]}, its record says {shard.sha256[:12]}")
 
     def verify(self, rank: int = 0, world: int = 1, threads: int = 4) -> list[str]:
@@ -401,13 +429,6 @@ class ShardStream:
         out["temperature"] = np.asarray(out["temperature"], dtype=np.float32)
         out["stream_index"] = np.asarray(out["stream_index"], dtype=np.int64)
         return out
-
-
-def object_sizes(folder) -> dict[str, int]:
-    """Size of every object under a prefix, by URI, from listings (not one request per shard)."""
-    import pyarrow.fs as pafs
-    infos = folder.fs.get_file_info(pafs.FileSelector(folder.key, allow_not_found=True, recursive=True))
-    return {f"{folder.scheme}://{i.path}": i.size for i in infos if i.type == pafs.FileType.File}
 
 
 def training_stream(data_dir, manifest: dict) -> ShardStream:

@@ -217,7 +217,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     # runs (fast-offline); without it every page read is checked against its CRC32 as it is read.
     following = getattr(stream, "follower", None) is not None  # shards checked as they arrive instead
     if following:
-        stream.verify_arrivals = tc.verify_shards
+        stream.verify_arrivals = (rank, world) if tc.verify_shards else None
     checking = ThreadPoolExecutor(max_workers=1).submit(stream.verify, rank, world) \
         if tc.verify_shards and hasattr(stream, "verify") and not following else None
     needed = tc.max_steps * tc.batch_size
@@ -366,6 +366,9 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     if is_main:
         if deadline_hit:
             print(f"train: stopped by --deadline after step {progress.step} of {total_steps}")
+        if following and stream.follower.waits:
+            print(f"train: followed the generation, waiting {stream.follower.waited_s:.1f}s in all for "
+                  f"{stream.follower.waits} shard(s)")
         summary = write_summary(run_dir, history, progress.step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
                                 progress.nonfinite_total, device, planned_steps=total_steps,
                                 corpus=config.corpus.source)
