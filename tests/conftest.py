@@ -14,13 +14,6 @@ import torch
 from common.config import RunConfig, config_from_dict, dump_toml
 
 ROOT = Path(__file__).resolve().parents[1]
-LONGEST = ("tests/test_learning.py",)  # about a third of one test process's time in `make test`
-
-
-def pytest_collection_modifyitems(config, items):
-    """The longest tests first, then the other slow ones, then the rest (file order kept within each): `make
-    test`'s two processes end together instead of one starting the learning guard when the other is done."""
-    items.sort(key=lambda item: (not item.nodeid.startswith(LONGEST), item.get_closest_marker("slow") is None))
 WORDS = ("the king queen lord lady speaks answers comes goes night day sword crown love death "
          "fair foul good noble heart blood sweet sorrow friend enemy castle field heaven earth "
          "thou thee thy hath doth shall will must never ever now then here there").split()
