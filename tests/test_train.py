@@ -65,3 +65,68 @@ def test_rtd_metrics_ignore_padding():
     m = rtd_metrics(logits, labels, mask)
     assert m["tokens"] == 6 and m["accuracy"] == pytest.approx(5 / 6)
     assert m["recall"] == 1.0 and m["precision"] == pytest.approx(2 / 3)
+
+
+def _update_harness(tmp_path):
+    """The trainer's model, optimizer and schedule for the tiny config, and one update's rows (two micro-batches)."""
+    from common.model import ReplacedTokenDetector
+    from common.optim import build_optimizer, build_scheduler
+    config = tiny_config(tmp_path)
+    tc = config.train
+    torch.manual_seed(0)
+    model = ReplacedTokenDetector(config.model, 320)
+    optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay)
+    scheduler = build_scheduler(optimizer, tc.warmup_steps, 10)
+    rng = np.random.default_rng(0)
+    rows = [{"input_ids": [rng.integers(5, 320, n) for n in (20, 32, 17, 9)],
+             "labels": [rng.random(n) < 0.15 for n in (20, 32, 17, 9)]} for _ in range(2)]
+    return model, optimizer, scheduler, rows, tc
+
+
+def test_an_update_never_waits_for_the_device_and_a_nonfinite_one_leaves_every_state_untouched(tmp_path, monkeypatch):
+    """`train.trainer.update` reads no tensor on the host (no .item(), float(), bool(), .tolist(): on a GPU each
+    is a sync), counted on the real update; the skip of a non-finite update is decided on the device by the fused
+    AdamW kernel (found_inf), which leaves weights, moments and step count as they were."""
+    import contextlib
+    from train import trainer
+    from train.data import to_tensors
+    model, optimizer, scheduler, rows, tc = _update_harness(tmp_path)
+    reads = []
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k: (reads.append(_name),
+                                                                                                 _real(self, *a, **k))[1])
+    assert float(torch.ones(())) == 1.0 and reads == ["__float__"]  # the counting sees a host read
+    reads.clear()
+    run = lambda: trainer.update(model, model, optimizer, scheduler, rows, to_tensors, torch.device("cpu"),
+                                 contextlib.nullcontext(), 1, tc)
+    results = [run() for _ in range(3)]
+    assert reads == [], reads
+    monkeypatch.undo()
+    loss, _, tokens, grad_norm, stepped = results[-1]
+    assert loss.dtype == torch.float64 and tokens == 2 * (20 + 32 + 17 + 9)
+    assert bool(stepped) and 0 < float(grad_norm) < float("inf") and 0.2 < float(loss) < 2.0
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    poisoned = lambda r: {**(b := to_tensors(r)), "labels": torch.full(b["labels"].shape, float("nan"))}
+    loss, _, _, grad_norm, stepped = trainer.update(model, model, optimizer, scheduler, rows, poisoned,
+                                                    torch.device("cpu"), contextlib.nullcontext(), 1, tc)
+    assert not bool(stepped) and torch.isnan(loss) and torch.isnan(grad_norm)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, moments[id(p)][k]) for p, s in optimizer.state.items() for k, v in s.items())
+    assert int(next(iter(optimizer.state.values()))["step"]) == 3  # the skipped update did not count
+
+
+def test_compact_batches_give_the_losses_of_long_and_float_ones(tmp_path):
+    """to_tensors' int32 ids and uint8 labels: the same loss, bitwise, as int64 ids and float32 labels."""
+    from train.data import to_tensors
+    from train.objectives import forward_losses
+    model, _, _, rows, _ = _update_harness(tmp_path)
+    model.eval()
+    compact = to_tensors(rows[0])
+    assert compact["input_ids"].dtype == torch.int32 and compact["labels"].dtype == torch.uint8
+    wide = {**compact, "input_ids": compact["input_ids"].long(), "labels": compact["labels"].float()}
+    with torch.no_grad():
+        a, b = (forward_losses(model, batch, torch.device("cpu"), False)[0] for batch in (compact, wide))
+    assert torch.equal(a, b)

@@ -440,10 +440,11 @@ def validation_stream(data_dir, manifest: dict) -> ShardStream:
 
 
 def to_tensors(rows: dict) -> dict:
-    """Padded tensors: input_ids (B, L) long, labels (B, L) float, attention_mask (B, L) bool."""
+    """Padded tensors in compact dtypes (what crosses to the device is 6 bytes a token, not 13): input_ids
+    (B, L) int32, labels (B, L) uint8 (0/1, made float where the loss is computed), attention_mask (B, L) bool."""
     lengths = [len(r) for r in rows["input_ids"]]
-    ids = pad_rows(rows["input_ids"])
-    return {"input_ids": ids, "labels": pad_rows(rows["labels"], 0, torch.float32),
+    ids = pad_rows(rows["input_ids"], dtype=torch.int32)
+    return {"input_ids": ids, "labels": pad_rows(rows["labels"], 0, torch.uint8),
             "attention_mask": attention_mask(lengths, ids.shape[1])}
 
 

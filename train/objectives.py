@@ -82,7 +82,7 @@ def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
     else:
         logits, labels = model(batch["input_ids"].to(device), mask), batch["labels"].to(device)
         mlm = hits = None
-    rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask], reduction="sum")
+    rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask].float(), reduction="sum")
     return rtd, mlm, hits
 
 

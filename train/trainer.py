@@ -103,12 +103,13 @@ def accumulate(ddp_model, micro_rows: list[dict], to_batch, device, autocast, wo
                electra_lambda: float, count_masked):
     """Forward and backward over this rank's micro-batches of one update, each made into tensors only when
     its turn comes (DDP syncs on the last). Returns the global loss (RTD per token; MLM per masked position
-    for `mlm`), the MLM loss and top-1 (electra's generator, or `mlm`'s) and the token count."""
+    for `mlm`), the MLM loss and top-1 (electra's generator, or `mlm`'s) and the token count. The losses stay
+    on the device (float64 sums, the same numbers as summing their Python floats): nothing here waits for it."""
     mlm_kind = objective_name in ("electra", "mlm")
     local_tokens = sum(len(r) for rows in micro_rows for r in rows["input_ids"])
     local_masked = sum(count_masked(rows["input_ids"]) for rows in micro_rows) if mlm_kind else 0
     global_tokens, global_masked = all_reduce([float(local_tokens), float(local_masked)], world)
-    loss_sum, mlm_sum, mlm_hits = 0.0, 0.0, 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # RTD loss, MLM loss, MLM top-1 hits
     for i, rows in enumerate(micro_rows):
         batch = to_batch(rows)
         sync = ddp_model.no_sync() if (world > 1 and i < len(micro_rows) - 1) else contextlib.nullcontext()
@@ -117,14 +118,16 @@ def accumulate(ddp_model, micro_rows: list[dict], to_batch, device, autocast, wo
             # DDP averages gradients over ranks, so divide by global / W: the result is d(sum / global_tokens).
             objective(loss, mlm, global_tokens / world, global_masked / world, electra_lambda).backward()
         if loss is not None:
-            loss_sum += loss.item()
+            sums[0] += loss.detach().double()
         if mlm is not None:
-            mlm_sum, mlm_hits = mlm_sum + mlm.item(), mlm_hits + float(hits)
-    loss_sum, mlm_sum, mlm_hits = all_reduce([loss_sum, mlm_sum, mlm_hits], world)
+            sums[1] += mlm.detach().double()
+            sums[2] += hits.double()
+    if world > 1:  # NCCL reduces the device tensor without a host sync; gloo on CPU
+        torch.distributed.all_reduce(sums)
     if objective_name == "mlm":
-        return mlm_sum / global_masked, {"top1": mlm_hits / global_masked}, global_tokens
-    extra = {"generator_mlm_loss": mlm_sum / global_masked, "generator_top1": mlm_hits / global_masked} if mlm_kind else {}
-    return loss_sum / global_tokens, extra, global_tokens
+        return sums[1] / global_masked, {"top1": sums[2] / global_masked}, global_tokens
+    extra = {"generator_mlm_loss": sums[1] / global_masked, "generator_top1": sums[2] / global_masked} if mlm_kind else {}
+    return sums[0] / global_tokens, extra, global_tokens
 
 
 def compiled(setting: str, device: torch.device) -> bool:
@@ -134,19 +137,27 @@ def compiled(setting: str, device: torch.device) -> bool:
 
 
 def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_batch, device, autocast, world: int,
-           tc, count_masked=None) -> tuple[float, dict, float, float, bool]:
+           tc, count_masked=None) -> tuple[torch.Tensor, dict, float, torch.Tensor, torch.Tensor]:
     """One training update: forward and backward over the micro-batches, clip, step, schedule. A non-finite
     loss or gradient norm skips the optimizer step (the schedule still moves on: it indexes the rows, the
     lr and the temperature). `count_masked(rows)`: how many positions `to_batch` masks in them (the MLM
-    losses' normaliser). Returns (loss, extra metrics, global tokens, gradient norm, stepped)."""
+    losses' normaliser). Returns (loss, extra metrics, global tokens, gradient norm, stepped), the tensors
+    on the device: the update never waits for the device (the trainer reads them at its log steps).
+
+    The skip is decided on the device: the fused AdamW kernel takes `found_inf` (as under a GradScaler) and
+    leaves weights, moments and step count untouched where it is 1."""
     loss, extra, tokens = accumulate(ddp_model, micro_rows, to_batch, device, autocast, world, tc.objective,
                                      tc.electra_lambda, count_masked)
-    grad_norm = float("nan")
-    if math.isfinite(loss):
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm))
+    finite_loss = torch.isfinite(loss)
+    # clipped whatever the loss: a non-finite one is skipped below, and its norm reported as NaN
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
+    grad_norm = torch.where(finite_loss, norm.to(torch.float32), float("nan"))
     # an infinite norm would turn every gradient into NaN through the clip, and the weights would follow
-    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
-    if stepped:
+    stepped = finite_loss & torch.isfinite(grad_norm)
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~stepped).to(torch.float32)
+        optimizer.step()
+    elif bool(stepped):  # another optimizer (not the trainer's): decided on the host
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
@@ -179,8 +190,22 @@ def open_metrics(run_dir: Path, config: RunConfig, step: int) -> Path:
     return path
 
 
-def nonfinite_error(progress, batch_size: int, ckpt_dir: Path) -> FloatingPointError:
-    step, last = progress.step, latest_checkpoint(ckpt_dir)
+def count_skipped(progress, stepped: list[bool], step: int, max_in_a_row: int) -> int | None:
+    """Counts the skipped updates among the last `len(stepped)` ones (the newest is update `step` - 1,
+    0-based) into `progress`; returns the update at which `max_in_a_row` were skipped in a row, if any."""
+    for index, ok in enumerate(stepped, start=step - len(stepped)):
+        if ok:
+            progress.nonfinite_run = 0
+            continue
+        progress.nonfinite_total += 1
+        progress.nonfinite_run += 1
+        if progress.nonfinite_run >= max_in_a_row:
+            return index
+    return None
+
+
+def nonfinite_error(progress, step: int, batch_size: int, ckpt_dir: Path) -> FloatingPointError:
+    last = latest_checkpoint(ckpt_dir)
     return FloatingPointError(f"{progress.nonfinite_run} non-finite losses in a row, last at step {step} "
                               f"(stream rows {step * batch_size}..{(step + 1) * batch_size - 1}); "
                               f"last good checkpoint: {last[0] if last else 'none'}")
@@ -291,6 +316,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps, last_plot = time.time(), 0, [math.inf, -math.inf], -math.inf
     deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
+    unread = []  # each update's "stepped" flag on the device, read at the next log, evaluation or checkpoint step
     while progress.step < total_steps and not deadline_hit:
         step = progress.step
         try:
@@ -309,17 +335,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         lr = scheduler.get_last_lr()[0]
         step_loss, extra, global_tokens, grad_norm, stepped = update(ddp_model, model, optimizer, scheduler, micro_rows,
                                                                      to_batch, device, autocast, world, tc, count_masked)
-        if stepped:
-            progress.nonfinite_run = 0
-        else:  # the update was skipped; stop after too many in a row
-            progress.nonfinite_total += 1
-            progress.nonfinite_run += 1
-            if progress.nonfinite_run >= tc.max_nonfinite_steps:
-                bar.close()
-                reader.shutdown(cancel_futures=True)
-                if is_main:
-                    plot_curves(run_dir)  # what was logged, for the run someone will want to look at
-                raise nonfinite_error(progress, tc.batch_size, ckpt_dir)
+        unread.append(stepped)
         progress.step = step = step + 1
         if deadline:  # a wall-clock budget (make reproduce): every rank stops after the same update
             deadline_hit = all_max([float(time.time() >= deadline)], world)[0] > 0 and step < total_steps
@@ -327,18 +343,32 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         tokens_seen += global_tokens
         tokens_per_s = tokens_seen / (time.time() - t_start)
         bar.update(1)
-        if is_main:
-            shown = {"top1": f"{extra['top1']:.3f}"} if mlm else {"T": f"{temps[1]:.3f}"}
-            bar.set_postfix(loss=f"{step_loss:.4f}", **shown, tok_s=f"{tokens_per_s:.0f}")
         record = None
-        if step % tc.log_every == 0 or final:
-            record = {"step": step, "time": time.time(), "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+        log_now, eval_now, ckpt_now = (step % every == 0 or final for every in (tc.log_every, tc.eval_every,
+                                                                                 tc.ckpt_every))
+        if log_now or eval_now or ckpt_now:
+            # The host reads the device here only, not at every update: which updates were skipped (too many in
+            # a row stop the run before anything after them is saved), then the numbers to log.
+            failed_at = count_skipped(progress, torch.stack(unread).tolist(), step, tc.max_nonfinite_steps)
+            if failed_at is not None:
+                bar.close()
+                reader.shutdown(cancel_futures=True)
+                if is_main:
+                    plot_curves(run_dir)  # what was logged, for the run someone will want to look at
+                raise nonfinite_error(progress, failed_at, tc.batch_size, ckpt_dir)
+            unread = []
+        if log_now:
+            extra = {k: float(v) for k, v in extra.items()}
+            record = {"step": step, "time": time.time(), "loss": float(step_loss), "lr": lr, "grad_norm": float(grad_norm),
                       **({} if mlm else {"temperature_min": temps[0], "temperature_max": temps[1]}),
                       "tokens_per_s": tokens_per_s,
                       "peak_memory_mb": peak_memory_mb(device), "nonfinite_steps": progress.nonfinite_total,
                       "rows": [step * tc.batch_size - tc.batch_size, step * tc.batch_size], **extra}
+            if is_main:
+                shown = {"top1": f"{extra['top1']:.3f}"} if mlm else {"T": f"{temps[1]:.3f}"}
+                bar.set_postfix(loss=f"{record['loss']:.4f}", **shown, tok_s=f"{tokens_per_s:.0f}")
             temps = [math.inf, -math.inf]
-        if step % tc.eval_every == 0 or final:
+        if eval_now:
             if is_main:
                 evaluation = evaluate_now(detector, valid, device, autocast)
                 history["last"] = {"step": step, **evaluation}
@@ -352,7 +382,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
             if "val_loss" in record and time.time() - last_plot >= PLOT_INTERVAL_S:
                 plot_curves(run_dir)
                 last_plot = time.time()
-        if step % tc.ckpt_every == 0 or final:
+        if ckpt_now:
             state.save(ckpt_dir, tc.keep_checkpoints, progress, model, optimizer, scheduler, config, manifest_hash,
                        rank, world, device, tokenizer_sha256)
         if after_step:
