@@ -42,8 +42,8 @@ from train.mlm import MLMObjective, evaluate_mlm, mlm_streams, mlm_tensors
 from train.objectives import ElectraPair, electra_tensors, forward_losses, objective
 from train.plots import plot_curves
 
-# curves.png is redrawn after an evaluation at most this often (a redraw takes ~1 s of rank 0's time), and
-# always at the end of the run
+# curves.png is redrawn after an evaluation at most this often (a redraw takes ~0.5-1 s of rank 0's time), and
+# once at the end of the run (the summary draws it; the last evaluation does not draw it first)
 PLOT_INTERVAL_S = 60.0
 
 
@@ -379,7 +379,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                 f.write(json.dumps(record) + "\n")
             if board:
                 board.write(record)
-            if "val_loss" in record and time.time() - last_plot >= PLOT_INTERVAL_S:
+            if "val_loss" in record and not final and time.time() - last_plot >= PLOT_INTERVAL_S:
                 plot_curves(run_dir)
                 last_plot = time.time()
         if ckpt_now:
