@@ -51,6 +51,9 @@ class Corruptor:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
         # Sampling holds one chunk of positions x V logits at a time (2^26 entries: 524 positions at 128K).
         self.chunk_entries = LOGIT_CHUNK_ENTRIES
+        # The sampler's two (positions, V) fp32 arrays (scaled logits, CDF), kept from chunk to chunk; `sample`
+        # runs under the actor's device lock, one call at a time.
+        self.scratch: dict[str, torch.Tensor] = {}
         self.device_seconds = 0.0  # time in `sample` (aux forward and sampling), for the benchmarks
 
     @classmethod
@@ -117,14 +120,14 @@ class Corruptor:
         augmentation = "temperature" if gammas is None else self.augmentation
         if distribution != "aux":
             log_w = self._model_free(distribution, originals[part], gammas[part])
-            return sample_from_log_weights(log_w, uniforms[part], self.reserved), 0
+            return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), 0
         with self.autocast or contextlib.nullcontext():
             logits = self.model.logits(hidden[part])
         hits = (logits.argmax(-1) == originals[part]).sum()
         if augmentation == "tf_interpolation":
             log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), gammas[part])
-            return sample_from_log_weights(log_w, uniforms[part], self.reserved), hits
-        return sample_temperature(logits, temperatures[part], uniforms[part], self.reserved), hits
+            return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), hits
+        return sample_temperature(logits, temperatures[part], uniforms[part], self.reserved, self.scratch), hits
 
     def sample(self, prepared, rows, row_ids, epoch: int, temperatures, gammas=None) -> tuple[list, int]:
         """The device half of a call: per batch, the aux encoder once, then its head and the sampler over

@@ -56,12 +56,26 @@ def aux_log_probs(logits: torch.Tensor, reserved: Reserved = RESERVED) -> torch.
     return torch.log_softmax(x, dim=-1)
 
 
-def temperature_scaled(log_p: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Paper section 3, eq. 1: log p / T, one T per row (a new tensor; normalised by the sampler)."""
+def temperature_scaled(log_p: torch.Tensor, temperature: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Paper section 3, eq. 1: log p / T, one T per row (a new tensor, or `out`; normalised by the sampler)."""
     t = temperature.float()
     if torch.isnan(t).any():
         raise ValueError("a temperature is NaN")
-    return log_p / t.clamp(*TEMPERATURE_RANGE)[:, None]
+    return torch.div(log_p, t.clamp(*TEMPERATURE_RANGE)[:, None], out=out)
+
+
+def scratch_buffer(scratch: dict | None, name: str, like: torch.Tensor) -> torch.Tensor | None:
+    """A (K, V) fp32 tensor shaped as `like` for an `out=` argument, cut from a flat buffer that `scratch`
+    keeps from call to call (None without `scratch`: the op allocates). On CPU a fresh (K, V) tensor per call
+    costs its page faults (glibc gives blocks that large back to the kernel when freed) about as much as the
+    pass that fills it; a GPU's caching allocator keeps blocks anyway."""
+    if scratch is None:
+        return None
+    size = like.shape[0] * like.shape[1]
+    flat = scratch.get(name)
+    if flat is None or flat.numel() < size or flat.device != like.device:
+        flat = scratch[name] = torch.empty(size, dtype=torch.float32, device=like.device)
+    return flat[:size].view(like.shape[0], like.shape[1])
 
 
 def uniform_log_probs(num_rows: int, vocab_size: int, device="cpu", reserved: Reserved = RESERVED) -> torch.Tensor:
@@ -121,13 +135,13 @@ def replacement_probs(log_weights: torch.Tensor) -> torch.Tensor:
     return _uniform_rows(probs, dead) if dead.any() else probs
 
 
-def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor,
-                 reserved: Reserved = RESERVED) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, rows without mass). Five passes over (K, V), in place on `log_weights`."""
+def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor, reserved: Reserved = RESERVED,
+                 scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, rows without mass). Five passes over (K, V), in place on `log_weights`; the CDF in `scratch`."""
     _fill_reserved(log_weights, reserved, float("-inf"))
     log_weights -= log_weights.max(dim=-1, keepdim=True).values
     weights = log_weights.exp_()  # unnormalised probabilities, the largest is 1
-    cdf = torch.cumsum(weights, dim=-1)
+    cdf = torch.cumsum(weights, dim=-1, out=scratch_buffer(scratch, "cdf", weights))
     # Scale u by the last cdf entry (the total mass) so rounding in the sum never pushes u past the end.
     # First index whose cdf exceeds u: its own weight is > 0.
     targets = (uniforms.double() * cdf[:, -1].double()).float()[:, None]
@@ -141,11 +155,11 @@ def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor,
 
 
 def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor,
-                            reserved: Reserved = RESERVED) -> torch.Tensor:
+                            reserved: Reserved = RESERVED, scratch: dict | None = None) -> torch.Tensor:
     """One token per row of (K, V) fp32 log-weights, by inverse CDF with `uniforms` (K,) in [0, 1).
     Deterministic, never a special (reserved) token, always in [0, V); a row without mass is sampled
-    uniformly. `log_weights` is overwritten."""
-    idx, dead = _inverse_cdf(log_weights, uniforms, reserved)
+    uniformly. `log_weights` is overwritten. `scratch`: buffers kept across calls (`scratch_buffer`)."""
+    idx, dead = _inverse_cdf(log_weights, uniforms, reserved, scratch)
     if dead.any():
         flat = torch.where(non_special(log_weights.shape[1], log_weights.device, reserved), 0.0, float("-inf"))
         idx[dead] = _inverse_cdf(flat.repeat(int(dead.sum()), 1), uniforms[dead], reserved)[0]
@@ -153,11 +167,12 @@ def sample_from_log_weights(log_weights: torch.Tensor, uniforms: torch.Tensor,
 
 
 def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
-                       reserved: Reserved = RESERVED) -> torch.Tensor:
+                       reserved: Reserved = RESERVED, scratch: dict | None = None) -> torch.Tensor:
     """Paper section 3, eq. 1: x_hat ~ Softmax(log p_aux / T) = Softmax(logits / T), one T per row.
     `logits` (any float dtype) are left intact; rows the fast form leaves without mass are redone
-    from the stable log p_aux."""
-    idx, dead = _inverse_cdf(temperature_scaled(logits.float(), temperature), uniforms, reserved)
+    from the stable log p_aux. `scratch`: buffers kept across calls (`scratch_buffer`), the same draws."""
+    scaled = temperature_scaled(logits.float(), temperature, out=scratch_buffer(scratch, "scaled", logits))
+    idx, dead = _inverse_cdf(scaled, uniforms, reserved, scratch)
     if dead.any():
         stable = temperature_scaled(aux_log_probs(logits[dead], reserved), temperature[dead])
         idx[dead] = sample_from_log_weights(stable, uniforms[dead], reserved)

@@ -193,3 +193,27 @@ def test_smoothed_one_hot_and_uniform_keep_their_mass_with_an_hf_tokenizers_rese
     uniform = uniform_log_probs(2, vocab, reserved=reserved).exp()
     torch.testing.assert_close(uniform.sum(-1), torch.ones(2), rtol=1e-5, atol=1e-6)
     assert uniform[0, -994:].sum() == 0 and uniform[0, :5].sum() == 0
+
+
+def test_scratch_buffers_draw_the_same_ids_and_are_kept_from_call_to_call():
+    """`scratch` (the Corruptor's kept (K, V) buffers for the scaled logits and the CDF) changes where the
+    sampler writes, not what it draws: chunks of several sizes, NaN and infinite rows included, give the ids of
+    fresh tensors; a smaller chunk reuses the buffers of a larger one instead of allocating."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(300, 512, generator=g) * 4
+    logits[7] = float("nan")
+    logits[11, 40] = float("inf")
+    temperature = 1 + torch.rand(300, generator=g)
+    uniforms = torch.rand(300, generator=g, dtype=torch.float64)
+    scratch = {}
+    for rows in (slice(0, 300), slice(0, 120), slice(120, 300), slice(5, 13)):
+        fresh = sample_temperature(logits[rows], temperature[rows], uniforms[rows])
+        kept = sample_temperature(logits[rows], temperature[rows], uniforms[rows], scratch=scratch)
+        assert torch.equal(fresh, kept), rows
+        log_w = torch.log_softmax(logits[rows].nan_to_num(nan=0.0), -1)
+        assert torch.equal(sample_from_log_weights(log_w.clone(), uniforms[rows]),
+                           sample_from_log_weights(log_w.clone(), uniforms[rows], scratch=scratch)), rows
+    assert set(scratch) == {"scaled", "cdf"} and all(b.numel() == 300 * 512 for b in scratch.values())
+    first = {k: b.data_ptr() for k, b in scratch.items()}
+    sample_temperature(logits[:50], temperature[:50], uniforms[:50], scratch=scratch)
+    assert {k: b.data_ptr() for k, b in scratch.items()} == first
