@@ -88,7 +88,7 @@ def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layer
                       for i in range(0, batch, micro)]
         loss, *_ = update(model, model, optimizer, scheduler, micro_rows, to_batch, torch.device("cpu"), autocast, 1,
                           tc, partial(masked_count, mask_prob=config.aux.mask_prob))
-        losses.append(loss)
+        losses.append(float(loss))  # the update leaves it on the device
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_rss_bytes": peak, "estimate_bytes": estimate_peak_bytes(config, vocab, micro, "cpu", accumulating=micro < batch),
             "seconds": time.time() - t0, "losses": losses, "layers": config.model.num_layers,

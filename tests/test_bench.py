@@ -66,3 +66,14 @@ def test_the_experiments_time_and_train_through_the_trainers_own_update_function
     ablate_tiny.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2"])
     assert calls[6:] == ["fast-offline"] * 2
     assert "step     2  val loss" in capsys.readouterr().out
+
+
+def test_bench_aux_probe_trains_through_the_update_and_reports_json(monkeypatch):
+    """`make bench-aux`'s probe in its own process (as `bench.aux.measure` runs it): two updates of the trainer's
+    own function at a small shape, the losses and peak memory printed as JSON."""
+    from bench.aux import measure
+    from tests.conftest import ROOT
+    monkeypatch.chdir(ROOT)  # `python -m bench.aux`, as make runs it
+    result = measure("manifests/tiny.toml", seq_len=32, batch=4, micro=2, steps=2, layers=1, hidden=32, vocab=512)
+    assert len(result["losses"]) == 2 and all(5.0 < loss < 8.0 for loss in result["losses"])  # ln 512 = 6.24
+    assert result["peak_rss_bytes"] > 0 and result["estimate_bytes"] > 0 and result["micro"] == 2

@@ -90,6 +90,20 @@ def test_k_nonfinite_losses_in_a_row_stop_the_run_naming_step_rows_and_checkpoin
     assert drawn == [4, 6]  # curves drawn at the evaluation after step 4, and at the stop with all 6 logged steps
 
 
+def test_with_sparse_logging_k_nonfinite_losses_in_a_row_stop_the_run_at_most_k_updates_late(generated, tmp_path,
+                                                                                                monkeypatch):
+    """The trainer reads the skipped flags from the device at log, evaluation and checkpoint steps, and after
+    `max_nonfinite_steps` unread updates: with nothing logged for 100 steps, poisoned from update 2 on, the
+    flags of updates 0-2 are read after update 2, those of 3-5 after update 5, and the stop names update 4."""
+    args, _ = _run(generated, tmp_path, monkeypatch, lambda s: s >= 2, max_nonfinite_steps=3, max_steps=100,
+                   log_every=100, eval_every=100, ckpt_every=100)
+    after = []
+    with pytest.raises(FloatingPointError, match=r"3 non-finite losses in a row, last at step 4 \(stream rows 32\.\.39\)"):
+        trainer.train(args, after_step=after.append)
+    assert after == [1, 2, 3, 4, 5]  # update 5 (0-based) ran before the read that stopped the run after it
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
 def test_curves_are_redrawn_at_most_once_a_minute_and_at_the_end(generated, tmp_path, monkeypatch):
     """A redraw costs ~0.5-1 s of rank 0's time; evaluations every 2 steps must not each pay it, nor the end twice."""
     args, _ = _run(generated, tmp_path, monkeypatch, lambda s: False, max_steps=12, eval_every=2, ckpt_every=12)

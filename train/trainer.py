@@ -156,7 +156,10 @@ def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_ba
     stepped = finite_loss & torch.isfinite(grad_norm)
     if optimizer.defaults.get("fused"):
         optimizer.found_inf = (~stepped).to(torch.float32)
-        optimizer.step()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # a later step() elsewhere (a benchmark's) is not gated by this update's
     elif bool(stepped):  # another optimizer (not the trainer's): decided on the host
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -346,9 +349,10 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         record = None
         log_now, eval_now, ckpt_now = (step % every == 0 or final for every in (tc.log_every, tc.eval_every,
                                                                                  tc.ckpt_every))
-        if log_now or eval_now or ckpt_now:
+        if log_now or eval_now or ckpt_now or len(unread) >= tc.max_nonfinite_steps:
             # The host reads the device here only, not at every update: which updates were skipped (too many in
-            # a row stop the run before anything after them is saved), then the numbers to log.
+            # a row stop the run before anything after them is saved, at most max_nonfinite_steps updates
+            # late), then the numbers to log.
             failed_at = count_skipped(progress, torch.stack(unread).tolist(), step, tc.max_nonfinite_steps)
             if failed_at is not None:
                 bar.close()
