@@ -144,8 +144,8 @@ def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_ba
     losses' normaliser). Returns (loss, extra metrics, global tokens, gradient norm, stepped), the tensors
     on the device: the update never waits for the device (the trainer reads them at its log steps).
 
-    The skip is decided on the device: the fused AdamW kernel takes `found_inf` (as under a GradScaler) and
-    leaves weights, moments and step count untouched where it is 1."""
+    The skip is decided on the device: the trainer's fused AdamW (`common.optim.build_optimizer`) takes
+    `found_inf` (as under a GradScaler) and leaves weights, moments and step count untouched where it is 1."""
     loss, extra, tokens = accumulate(ddp_model, micro_rows, to_batch, device, autocast, world, tc.objective,
                                      tc.electra_lambda, count_masked)
     finite_loss = torch.isfinite(loss)
@@ -154,14 +154,11 @@ def update(ddp_model, model, optimizer, scheduler, micro_rows: list[dict], to_ba
     grad_norm = torch.where(finite_loss, norm.to(torch.float32), float("nan"))
     # an infinite norm would turn every gradient into NaN through the clip, and the weights would follow
     stepped = finite_loss & torch.isfinite(grad_norm)
-    if optimizer.defaults.get("fused"):
-        optimizer.found_inf = (~stepped).to(torch.float32)
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf  # a later step() elsewhere (a benchmark's) is not gated by this update's
-    elif bool(stepped):  # another optimizer (not the trainer's): decided on the host
+    optimizer.found_inf = (~stepped).to(torch.float32)
+    try:
         optimizer.step()
+    finally:
+        del optimizer.found_inf  # a later step() elsewhere (a benchmark's) is not gated by this update's
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return loss, extra, tokens, grad_norm, stepped
