@@ -4,8 +4,8 @@
 
 Synthetic data (random non-special token ids, full-length rows): compute does not depend on the text,
 so nothing has to be prepared at the base shape (12 x 768, aux 4 layers, sequence 512, 128K vocabulary).
-  mfu               the trainer's update (`trainer_update`: train/objectives.py's loss under bf16 autocast, clip, fused
-                    AdamW, schedule) with `--accum` micro-batches of `--rows` rows; model FLOPs per update as
+  mfu               the trainer's own update function (`train.trainer.update`: train/objectives.py's loss under bf16
+                    autocast, clip, fused AdamW, schedule) with `--accum` micro-batches of `--rows` rows; model FLOPs per update as
                     executed (bench.flops: layers + softmax + RTD head, embedding lookups free, backward = 2 x
                     forward) / seconds / the GPU's dense bf16 peak (its datasheet; also over a bf16 matmul
                     measured in the same run)
@@ -22,6 +22,7 @@ Writes bench/results/base-gpu.json and .md (the device's name inside). Needs CUD
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -31,6 +32,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,7 @@ from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
 from common.checkpoint import save_aux
 from common.config import GenerateConfig, load_manifest
 from common.corrupt import Corruptor
+from common.curriculum import masked_count
 from common.io import atomic_write_json, atomic_write_text
 from common.model import MaskedLM, ReplacedTokenDetector, relative_position_bucket
 from common.optim import build_optimizer, build_scheduler
@@ -57,21 +60,35 @@ def bf16_peak(name: str) -> float | None:
     return next((v for k, v in BF16_PEAK.items() if k in name), None)
 
 
-def cuda_seconds(fn, repeats: int) -> list[float]:
+def device_seconds(fn, repeats: int, device: torch.device = torch.device("cuda")) -> list[float]:
+    """Wall seconds of each of `repeats` calls, the device's queue drained before and after each."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         out.append(time.perf_counter() - t0)
     return out
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since the last reset: the GPU's allocations, or on CPU the process's peak RSS."""
+    from train.trainer import peak_memory_mb
+    return peak_memory_mb(device) / 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def matmul_flops_per_s(n: int = 8192) -> float:
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    cuda_seconds(lambda: a @ b, 3)
-    return 2 * n**3 / statistics.median(cuda_seconds(lambda: a @ b, 10))
+    device_seconds(lambda: a @ b, 3)
+    return 2 * n**3 / statistics.median(device_seconds(lambda: a @ b, 10))
 
 
 def synthetic_rows(n: int, length: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
@@ -88,89 +105,89 @@ def update_flops(config, rows: int) -> float:
     return 3 * forward * rows
 
 
-def trainer_update(model, optimizer, batch: dict, accum: int, config, electra: bool = False, scheduler=None):
-    """The trainer's update as (update, one micro-batch's forward + backward): `accum` micro-batches of the
-    loss of train/objectives.py under bf16 autocast, then clip, AdamW and the schedule."""
-    from train.objectives import forward_losses, objective
-    device, tc = torch.device("cuda"), config.train
-    tokens = float(batch["attention_mask"].sum())
-    masked = float(batch["masked_flags"].sum()) if electra else 0.0
-
-    def forward_backward():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            rtd, mlm, _ = forward_losses(model, batch, device, electra)
-            loss = objective(rtd, mlm, tokens, masked, tc.electra_lambda)
-        loss.backward()
+def trainer_update(model, optimizer, scheduler, rows: dict, accum: int, config, device: torch.device,
+                   objective_name: str = "fast-offline", compiled_model=None):
+    """The trainer's own update as (update, one micro-batch's forward + backward): `train.trainer.update` (its
+    forward and loss of train/objectives.py under bf16 autocast on a GPU, backward, clip, fused AdamW, schedule)
+    over `accum` micro-batches of `rows`, each made into tensors in its turn as the trainer does (`to_tensors`,
+    or `electra_tensors` masking on the host), and `train.trainer.accumulate` over one of them.
+    `compiled_model`: the model under torch.compile, passed where the trainer passes it."""
+    from train import trainer
+    from train.data import to_tensors
+    from train.objectives import electra_tensors
+    tc, g = dataclasses.replace(config.train, objective=objective_name), config.generate
+    electra = objective_name == "electra"
+    to_batch = partial(electra_tensors, seed=config.seed, mask_prob=g.mask_prob) if electra else to_tensors
+    count_masked = partial(masked_count, mask_prob=g.mask_prob)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    forward_model = compiled_model or model
 
     def update():
-        for _ in range(accum):
-            forward_backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
+        trainer.update(forward_model, model, optimizer, scheduler, [rows] * accum, to_batch, device, autocast, 1, tc,
+                       count_masked)
+
+    def forward_backward():
+        trainer.accumulate(forward_model, [rows], to_batch, device, autocast, 1, tc.objective, tc.electra_lambda,
+                           count_masked)
     return update, forward_backward
 
 
-def rtd_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
-    ids = torch.from_numpy(np.stack(synthetic_rows(rows, length, vocab, seed))).long()
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-            "labels": (torch.rand(ids.shape) < 0.15).float()}
+def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
+    """Full-length rows as the trainer reads them from shards (RTD labels at the mask rate) and as electra
+    reads them from the corpus (row ids, epoch)."""
+    rng = np.random.default_rng(seed + 1)
+    return {"input_ids": synthetic_rows(rows, length, vocab, seed),
+            "labels": [(rng.random(length) < 0.15).astype(np.int8) for _ in range(rows)],
+            "row_id": np.arange(rows), "epoch": 0}
 
 
-def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False, compiled: bool = False) -> dict:
-    """`compiled`: the same update with the model under torch.compile (not what the trainer runs: the headroom)."""
-    device, tc, V, L = torch.device("cuda"), config.train, config.tokenizer.vocab_size, config.corpus.max_seq_len
+def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False, compiled: bool = False,
+                device: torch.device = torch.device("cuda")) -> dict:
+    """`compiled`: the same update with the model under torch.compile (`[train] compile`, as the trainer does)."""
+    tc, V, L = config.train, config.tokenizer.vocab_size, config.corpus.max_seq_len
     torch.manual_seed(0)
     model = ReplacedTokenDetector(config.model, V).to(device)
-    if compiled:
-        model = torch.compile(model)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, 10, 10_000)
-    update, forward_backward = trainer_update(model, optimizer, rtd_batch(rows, L, V), accum, config,
-                                              scheduler=scheduler)
+    update, forward_backward = trainer_update(model, optimizer, scheduler, synthetic_batch(rows, L, V), accum, config,
+                                              device, compiled_model=torch.compile(model) if compiled else None)
 
-    cuda_seconds(update, 2)
-    torch.cuda.reset_peak_memory_stats()
-    seconds = statistics.median(cuda_seconds(update, steps))
-    micro = statistics.median(cuda_seconds(forward_backward, steps))
+    device_seconds(update, 2, device)
+    reset_peak_memory(device)
+    seconds = statistics.median(device_seconds(update, steps, device))
+    micro = statistics.median(device_seconds(forward_backward, steps, device))
     if profile:  # where an update's GPU time goes, by kernel
         from torch.profiler import ProfilerActivity
         with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            cuda_seconds(update, 2)
+            device_seconds(update, 2, device)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
-    optimizer.zero_grad(set_to_none=True)
     flops = update_flops(config, rows * accum)
     return {"rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
             "seconds_per_update": seconds, "seconds_per_micro_batch_fwd_bwd": micro,
             "model_flops_per_update": flops, "achieved_flops_per_s": flops / seconds,
             "fwd_bwd_flops_per_s": update_flops(config, rows) / micro,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_memory_gib": peak_memory_gib(device),
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def measure_efficiency(config, rows: int, accum: int, steps: int) -> dict:
-    """fast-offline vs electra at the manifest's shape: seconds per update and peak memory (paper section 4.3)."""
-    from train.objectives import ElectraPair, electra_tensors
-    device, tc, g = torch.device("cuda"), config.train, config.generate
-    V, L = config.tokenizer.vocab_size, config.corpus.max_seq_len
-    offline = rtd_batch(rows, L, V, seed=2)
-    originals = [row.numpy().astype(np.int32) for row in offline["input_ids"]]
-    electra = electra_tensors({"input_ids": originals, "row_id": np.arange(rows), "epoch": 0}, config.seed, g.mask_prob)
+def measure_efficiency(config, rows: int, accum: int, steps: int, device: torch.device = torch.device("cuda")) -> dict:
+    """fast-offline vs electra at the manifest's shape: seconds per update and peak memory (paper section 4.3),
+    both through the trainer's update on the same rows."""
+    from train.objectives import ElectraPair
+    tc, V, L = config.train, config.tokenizer.vocab_size, config.corpus.max_seq_len
+    batch = synthetic_batch(rows, L, V, seed=2)
     out = {}
-    for name, batch in (("fast-offline", offline), ("electra", electra)):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    for name in ("fast-offline", "electra"):
+        reset_peak_memory(device)
         torch.manual_seed(0)
-        is_electra = name == "electra"
-        model = (ElectraPair(config.model, V) if is_electra else ReplacedTokenDetector(config.model, V)).to(device)
+        model = (ElectraPair(config.model, V) if name == "electra" else ReplacedTokenDetector(config.model, V)).to(device)
         optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                     tc.embed_lr_scale)
-        update, _ = trainer_update(model, optimizer, batch, accum, config, is_electra)
-        cuda_seconds(update, 2)
-        out[f"{name}_s_per_update"] = statistics.median(cuda_seconds(update, steps))
-        out[f"{name}_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        scheduler = build_scheduler(optimizer, 10, 10_000)
+        update, _ = trainer_update(model, optimizer, scheduler, batch, accum, config, device, name)
+        device_seconds(update, 2, device)
+        out[f"{name}_s_per_update"] = statistics.median(device_seconds(update, steps, device))
+        out[f"{name}_peak_memory_gib"] = peak_memory_gib(device)
         del model, optimizer, update
     out["offline_vs_electra_time"] = out["fast-offline_s_per_update"] / out["electra_s_per_update"]
     out["offline_vs_electra_memory"] = out["fast-offline_peak_memory_gib"] / out["electra_peak_memory_gib"]
@@ -208,8 +225,8 @@ def measure_generation(config, rows_per_shard: int, shards: int) -> dict:
             for batches in prepared:
                 for _, ids, attn, flags in batches:
                     corruptor.aux_logits(ids, attn, flags)
-        forward_s = min(cuda_seconds(forward_only, 3))
-        single_s = min(cuda_seconds(lambda: writer(tasks[0]), 2))
+        forward_s = min(device_seconds(forward_only, 3))
+        single_s = min(device_seconds(lambda: writer(tasks[0]), 2))
     return {"rows_per_shard": rows_per_shard, "shards": shards, "tokens": tokens, "batch_tokens": g.batch_tokens,
             "generation_tokens_per_s": tokens / generation_s, "forward_tokens_per_s": tokens / forward_s,
             "one_shard_at_a_time_tokens_per_s": rows_per_shard * L / single_s,
@@ -261,10 +278,10 @@ def measure_attention(config, rows: int, repeats: int = 20) -> dict:
     for name, fn in (("sdpa", sdpa), ("flex", flex)):
         def fwd_bwd():
             fn().backward(g)
-        cuda_seconds(fwd_bwd, 3)
-        out[f"{name}_fwd_bwd_s"] = statistics.median(cuda_seconds(fwd_bwd, repeats))
+        device_seconds(fwd_bwd, 3)
+        out[f"{name}_fwd_bwd_s"] = statistics.median(device_seconds(fwd_bwd, repeats))
         with torch.no_grad():
-            out[f"{name}_fwd_s"] = statistics.median(cuda_seconds(fn, repeats))
+            out[f"{name}_fwd_s"] = statistics.median(device_seconds(fn, repeats))
     out["flex_vs_sdpa_fwd_bwd"] = out["flex_fwd_bwd_s"] / out["sdpa_fwd_bwd_s"]
     out["flex_vs_sdpa_fwd"] = out["flex_fwd_s"] / out["sdpa_fwd_s"]
     out["rows"] = rows

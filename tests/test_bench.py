@@ -77,3 +77,27 @@ def test_bench_aux_probe_trains_through_the_update_and_reports_json(monkeypatch)
     result = measure("manifests/tiny.toml", seq_len=32, batch=4, micro=2, steps=2, layers=1, hidden=32, vocab=512)
     assert len(result["losses"]) == 2 and all(5.0 < loss < 8.0 for loss in result["losses"])  # ln 512 = 6.24
     assert result["peak_rss_bytes"] > 0 and result["estimate_bytes"] > 0 and result["micro"] == 2
+
+
+def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch):
+    """`make bench-gpu`'s MFU and efficiency parts time `train.trainer.update` (counted through a wrapper that
+    calls it) with the objective each stands for, and their one-micro-batch figure `train.trainer.accumulate`.
+    Run here on the CPU at a tiny shape: the same functions the GPU run calls, only the device differs."""
+    from bench import gpu
+    from tests.conftest import tiny_config
+    config = tiny_config(tmp_path)
+    calls, accumulated = [], []
+    real_update, real_accumulate = trainer.update, trainer.accumulate
+    monkeypatch.setattr(trainer, "update", lambda *a, **k: (calls.append((a[9].objective, len(a[4]))),
+                                                            real_update(*a, **k))[1])
+    monkeypatch.setattr(trainer, "accumulate", lambda *a, **k: (accumulated.append(a[6]), real_accumulate(*a, **k))[1])
+    cpu = torch.device("cpu")
+    mfu = gpu.measure_mfu(config, rows=2, accum=3, steps=2, device=cpu)
+    assert calls == [("fast-offline", 3)] * (2 + 2)  # 2 warm-up updates, 2 timed, 3 micro-batches each
+    assert accumulated == ["fast-offline"] * (4 + 2)  # inside each update, then 2 timed micro-batches alone
+    assert mfu["tokens_per_update"] == 2 * 3 * 32 and mfu["model_flops_per_update"] > 0
+    assert mfu["seconds_per_update"] > 0 and mfu["seconds_per_micro_batch_fwd_bwd"] > 0
+    calls.clear()
+    efficiency = gpu.measure_efficiency(config, rows=2, accum=1, steps=2, device=cpu)
+    assert calls == [("fast-offline", 1)] * 4 + [("electra", 1)] * 4
+    assert efficiency["offline_vs_electra_time"] > 0 and efficiency["offline_vs_electra_memory"] > 0
