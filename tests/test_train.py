@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.checkpoint import IncompatibleInputs
 from common.shards import SHARD_SCHEMA
@@ -116,6 +117,48 @@ def test_an_update_never_waits_for_the_device_and_a_nonfinite_one_leaves_every_s
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(v, moments[id(p)][k]) for p, s in optimizer.state.items() for k, v in s.items())
     assert int(next(iter(optimizer.state.values()))["step"]) == 3  # the skipped update did not count
+
+
+def test_a_fast_offline_update_has_no_data_dependent_shape(tmp_path):
+    """The whole update (batch to tensors, forward, RTD loss, backward, clip, fused AdamW, schedule) runs on fake
+    tensors, which carry shapes and no values: nothing in it has a size that depends on the data (a boolean
+    index would: on a GPU its size is read back, a host sync per micro-batch) and nothing reads a value."""
+    import contextlib
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from train import trainer
+    from train.data import to_tensors
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the batches are made on the host, as in the trainer
+        model, optimizer, scheduler, rows, tc = _update_harness(tmp_path)
+        loss, _, tokens, grad_norm, stepped = trainer.update(model, model, optimizer, scheduler, rows, to_tensors,
+                                                             torch.device("cpu"), contextlib.nullcontext(), 1, tc)
+    assert tokens == 2 * (20 + 32 + 17 + 9) and loss.shape == grad_norm.shape == stepped.shape == ()
+
+
+def test_the_rtd_loss_is_over_non_pad_tokens_only_and_pads_get_no_gradient():
+    """The RTD sum equals the loss over the non-pad tokens alone (within float32 summation order), and a pad's
+    logit, even a non-finite one, gets gradient 0 and changes nothing."""
+    from train.objectives import forward_losses
+
+    class Fixed(torch.nn.Module):  # stands for the detector: returns the logits it holds
+        def __init__(self, logits):
+            super().__init__()
+            self.logits = torch.nn.Parameter(logits)
+
+        def forward(self, input_ids, attention_mask):
+            return self.logits
+
+    torch.manual_seed(0)
+    mask = torch.arange(64)[None] < torch.tensor([64, 40, 7, 33])[:, None]
+    labels = (torch.rand(4, 64) < 0.15).to(torch.uint8) * mask
+    logits = torch.randn(4, 64)
+    reference = F.binary_cross_entropy_with_logits(logits[mask].double(), labels[mask].double(), reduction="sum")
+    logits[~mask] = float("nan")
+    model = Fixed(logits)
+    batch = {"input_ids": torch.zeros(4, 64, dtype=torch.int32), "labels": labels, "attention_mask": mask}
+    rtd = forward_losses(model, batch, torch.device("cpu"), False)[0]
+    assert torch.isclose(rtd.double(), reference, rtol=1e-6)
+    rtd.backward()
+    assert torch.all(model.logits.grad[~mask] == 0) and torch.all(model.logits.grad[mask] != 0)
 
 
 def test_compact_batches_give_the_losses_of_long_and_float_ones(tmp_path):

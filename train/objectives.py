@@ -82,7 +82,12 @@ def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
     else:
         logits, labels = model(batch["input_ids"].to(device), mask), batch["labels"].to(device)
         mlm = hits = None
-    rtd = F.binary_cross_entropy_with_logits(logits[mask].float(), labels[mask].float(), reduction="sum")
+    # pads weighted out rather than indexed away: a boolean index has a data-dependent size, which a GPU
+    # answers by waiting for the device (a host sync per micro-batch)
+    # (a pad's logit is set to 0 first: whatever it is, its gradient stays 0, as under the index)
+    per_token = F.binary_cross_entropy_with_logits(logits.float().masked_fill(~mask, 0.0), labels.float(),
+                                                   reduction="none")
+    rtd = torch.where(mask, per_token, 0.0).sum()
     return rtd, mlm, hits
 
 
