@@ -139,7 +139,7 @@ def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor, reserved: Re
                  scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, rows without mass). Five passes over (K, V), in place on `log_weights`; the CDF in `scratch`."""
     _fill_reserved(log_weights, reserved, float("-inf"))
-    log_weights -= log_weights.max(dim=-1, keepdim=True).values
+    log_weights -= log_weights.amax(dim=-1, keepdim=True)  # the values alone: max(dim) also finds indices, ~7x slower on CPU
     weights = log_weights.exp_()  # unnormalised probabilities, the largest is 1
     cdf = torch.cumsum(weights, dim=-1, out=scratch_buffer(scratch, "cdf", weights))
     # Scale u by the last cdf entry (the total mass) so rounding in the sum never pushes u past the end.

@@ -149,3 +149,21 @@ def test_sampling_a_chunk_of_positions_at_a_time_draws_what_the_whole_batch_draw
         assert all(np.array_equal(a, b) for a, b in zip(out["input_ids"], whole["input_ids"]))
         assert all(np.array_equal(a, b) for a, b in zip(out["labels"], whole["labels"]))
         assert (out["replaced"], out["aux_top1"]) == (whole["replaced"], whole["aux_top1"])
+
+
+def test_aux_top1_counts_the_masked_positions_whose_original_the_aux_model_ranks_first(built):
+    """The Corruptor's `aux_top1` (the generation manifest's aux top-1) equals the count of masked positions
+    where the aux model's argmax is the original token, computed here from its logits directly."""
+    import torch
+    rows = load_split(built.corpus_dir, "train")[:40]
+    corruptor = _corruptor(built)
+    ids = np.arange(40)
+    out = corruptor(rows, ids, epoch=0, temperatures=np.full(40, 1.7))
+    positions, _, batches = corruptor.masked_batches(rows, ids, 0)
+    expected = 0
+    with torch.no_grad():
+        for batch, inputs, attn, flags in batches:
+            logits = corruptor.model.logits(corruptor.aux_hidden(inputs, attn, flags))
+            originals = torch.from_numpy(np.concatenate([rows[i][positions[i]] for i in batch])).long()
+            expected += int((logits.argmax(-1) == originals).sum())
+    assert 0 < expected == out["aux_top1"] < out["masked"]
