@@ -4,20 +4,23 @@
 
 Synthetic data (random non-special token ids, full-length rows): compute does not depend on the text,
 so nothing has to be prepared at the base shape (12 x 768, aux 4 layers, sequence 512, 128K vocabulary).
-  mfu               the trainer's own update function (`train.trainer.update`: train/objectives.py's loss under bf16
-                    autocast, clip, fused AdamW, schedule) with `--accum` micro-batches of `--rows` rows; model FLOPs per update as
-                    executed (bench.flops: layers + softmax + RTD head, embedding lookups free, backward = 2 x
-                    forward) / seconds / the GPU's dense bf16 peak (its datasheet; also over a bf16 matmul
-                    measured in the same run)
+  mfu               the trainer's own update function (`train.trainer.update`: train/objectives.py's loss under
+                    bf16 autocast, clip, fused AdamW, schedule) with `--accum` micro-batches of `--rows` rows;
+                    model FLOPs per update as executed (bench.flops: layers + softmax + RTD head, embedding
+                    lookups free, backward = 2 x forward) / seconds / the GPU's dense bf16 peak (its datasheet;
+                    also over a bf16 matmul measured in the same run); the attention backend that ran, by the
+                    profiler's name (`sdpa_kernels`)
   gen_vs_forward    generation tokens/s as a GPU actor of generate/job.py runs it (ShardWriter, two shards in
-                    flight, the model behind one lock) / the aux model's pure bf16 forward on the same batches
+                    flight, the model behind one lock) / the aux model's pure bf16 forward on the same batches;
+                    the aux forward's attention backend (`aux_sdpa_kernels`)
   efficiency        bench-efficiency's comparison at the base shape: fast-offline (RTD on corrupted rows) vs
                     electra (generator 4 layers + discriminator, joint loss, online sampling), the same rows
                     and update (train/objectives.py), seconds per update and peak memory, one after the other
   attention         one layer's attention with the T5 bias, forward + backward (and forward alone, as the aux
                     model runs it): SDPA with an additive bias (common/model.py) vs FlexAttention (bias as a
                     score modification, padding as a block mask, compiled); outputs compared
-Writes bench/results/base-gpu.json and .md (the device's name inside). Needs CUDA.
+Writes bench/results/base-gpu.json and .md (the device's name inside). Needs CUDA (the measures take a
+device: tests/test_bench.py runs them on the CPU at a tiny shape).
 """
 from __future__ import annotations
 
@@ -132,6 +135,15 @@ def trainer_update(model, optimizer, scheduler, rows: dict, accum: int, config, 
     return update, forward_backward
 
 
+def sdpa_kernels(fn) -> list[str]:
+    """The fused-attention backends `fn` runs, as the profiler names them (aten::_scaled_dot_product_*: flash,
+    efficient, cudnn, math, flash_attention_for_cpu), sorted. The CPU's op events carry the names on any device."""
+    from torch.profiler import ProfilerActivity
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")})
+
+
 def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
     """Full-length rows as the trainer reads them from shards (RTD labels at the mask rate) and as electra
     reads them from the corpus (row ids, epoch)."""
@@ -162,7 +174,9 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
             device_seconds(update, 2, device)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
     flops = update_flops(config, rows * accum)
-    return {"rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
+    kernels = sdpa_kernels(forward_backward)  # the attention of the trainer's own forward and backward
+    optimizer.zero_grad(set_to_none=True)
+    return {"sdpa_kernels": kernels, "rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
             "seconds_per_update": seconds, "seconds_per_micro_batch_fwd_bwd": micro,
             "model_flops_per_update": flops, "achieved_flops_per_s": flops / seconds,
             "fwd_bwd_flops_per_s": update_flops(config, rows) / micro,
@@ -195,7 +209,7 @@ def measure_efficiency(config, rows: int, accum: int, steps: int, device: torch.
     return out
 
 
-def measure_generation(config, rows_per_shard: int, shards: int) -> dict:
+def measure_generation(config, rows_per_shard: int, shards: int, device: torch.device = torch.device("cuda")) -> dict:
     """Tokens/s of ShardWriter with two shards in flight (generate/job.py's GPU actor) over the aux
     model's pure forward on the same masked batches."""
     g, V, L = config.generate, config.tokenizer.vocab_size, config.corpus.max_seq_len
@@ -203,20 +217,21 @@ def measure_generation(config, rows_per_shard: int, shards: int) -> dict:
         torch.manual_seed(config.seed)
         aux = MaskedLM(config.model, V, config.aux.num_layers)
         aux_path = save_aux(aux, config.model, config.aux.num_layers, V, "synthetic", tmp, {"steps": 0})
-        corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device="cuda")
+        corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device.type)
         rows = synthetic_rows(rows_per_shard * (shards + 1), L, V, seed=1)
         plan = GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0)
         tasks = plan_tasks(len(rows), 0, plan, config.seed)  # one epoch of the synthetic rows, T from 2 down
         writer = ShardWriter({"train": rows}, corruptor, tmp, g.zstd_level)
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory(device)
         writer(tasks[-1])  # warm-up (kernels, allocator), not timed
         lock = threading.Lock()
         with ThreadPoolExecutor(max_workers=2) as pool:
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             records = list(pool.map(lambda t: writer(t, lock), tasks[:-1]))
             generation_s = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = peak_memory_gib(device)
         tokens = sum(r["tokens"] for r in records)
         prepared = [corruptor.prepare([rows[i] for i in t.row_ids], t.row_ids, 0)[2] for t in tasks[:-1]]
 
@@ -225,12 +240,13 @@ def measure_generation(config, rows_per_shard: int, shards: int) -> dict:
             for batches in prepared:
                 for _, ids, attn, flags in batches:
                     corruptor.aux_logits(ids, attn, flags)
-        forward_s = min(device_seconds(forward_only, 3))
-        single_s = min(device_seconds(lambda: writer(tasks[0]), 2))
+        forward_s = min(device_seconds(forward_only, 3, device))
+        kernels = sdpa_kernels(torch.no_grad()(lambda: corruptor.aux_logits(*prepared[0][0][1:])))
+        single_s = min(device_seconds(lambda: writer(tasks[0]), 2, device))
     return {"rows_per_shard": rows_per_shard, "shards": shards, "tokens": tokens, "batch_tokens": g.batch_tokens,
             "generation_tokens_per_s": tokens / generation_s, "forward_tokens_per_s": tokens / forward_s,
             "one_shard_at_a_time_tokens_per_s": rows_per_shard * L / single_s,
-            "gen_vs_forward": forward_s / generation_s, "peak_memory_gib": peak}
+            "gen_vs_forward": forward_s / generation_s, "peak_memory_gib": peak, "aux_sdpa_kernels": kernels}
 
 
 def measure_attention(config, rows: int, repeats: int = 20) -> dict:
@@ -348,7 +364,8 @@ def markdown(r: dict, args) -> str:
         md += [f"| trainer MFU (model FLOPs as executed / datasheet peak), {m['tokens_per_update']} tokens per update "
                f"| {m['mfu'] or float('nan'):.3f} ({m['achieved_flops_per_s'] / 1e12:.0f} TFLOP/s, {m['seconds_per_update']:.4f} s/update) | >= 0.40 |",
                f"| same over the measured matmul | {m['vs_matmul']:.3f} | |",
-               f"| peak memory | {m['peak_memory_gib']:.1f} GiB | |"]
+               f"| peak memory | {m['peak_memory_gib']:.1f} GiB | |",
+               f"| attention backend of the update (profiler) | {', '.join(m.get('sdpa_kernels', [])) or '?'} | fused |"]
     if "mfu_compiled" in r:
         m = r["mfu_compiled"]
         md += [f"| the same update, model under torch.compile (not the trainer's path) | {m['mfu'] or float('nan'):.3f} "
@@ -364,7 +381,8 @@ def markdown(r: dict, args) -> str:
         md += [f"| generation / aux pure bf16 forward (tokens/s, same batches) | {g['gen_vs_forward']:.3f} "
                f"({g['generation_tokens_per_s']:.0f} / {g['forward_tokens_per_s']:.0f}) | >= 0.85 |",
                f"| generation, one shard at a time (tokens/s) | {g['one_shard_at_a_time_tokens_per_s']:.0f} | |",
-               f"| generation peak memory | {g['peak_memory_gib']:.1f} GiB | |"]
+               f"| generation peak memory | {g['peak_memory_gib']:.1f} GiB | |",
+               f"| attention backend of the aux forward (profiler) | {', '.join(g.get('aux_sdpa_kernels', [])) or '?'} | fused |"]
     if "attention" in r:
         a = r["attention"]
         md += [f"| FlexAttention / SDPA + additive bias, fwd+bwd (s) | {a['flex_vs_sdpa_fwd_bwd']:.3f} "

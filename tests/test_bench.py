@@ -81,8 +81,9 @@ def test_bench_aux_probe_trains_through_the_update_and_reports_json(monkeypatch)
 
 def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch):
     """`make bench-gpu`'s MFU and efficiency parts time `train.trainer.update` (counted through a wrapper that
-    calls it) with the objective each stands for, and their one-micro-batch figure `train.trainer.accumulate`.
-    Run here on the CPU at a tiny shape: the same functions the GPU run calls, only the device differs."""
+    calls it) with the objective each stands for, and their one-micro-batch figure `train.trainer.accumulate`;
+    each names the attention backend it ran. Run here on the CPU at a tiny shape: the same functions the GPU
+    run calls, only the device differs."""
     from bench import gpu
     from tests.conftest import tiny_config
     config = tiny_config(tmp_path)
@@ -94,10 +95,17 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     cpu = torch.device("cpu")
     mfu = gpu.measure_mfu(config, rows=2, accum=3, steps=2, device=cpu)
     assert calls == [("fast-offline", 3)] * (2 + 2)  # 2 warm-up updates, 2 timed, 3 micro-batches each
-    assert accumulated == ["fast-offline"] * (4 + 2)  # inside each update, then 2 timed micro-batches alone
+    assert accumulated == ["fast-offline"] * (4 + 2 + 1)  # inside each update, 2 timed micro-batches alone, 1 profiled
     assert mfu["tokens_per_update"] == 2 * 3 * 32 and mfu["model_flops_per_update"] > 0
     assert mfu["seconds_per_update"] > 0 and mfu["seconds_per_micro_batch_fwd_bwd"] > 0
     calls.clear()
     efficiency = gpu.measure_efficiency(config, rows=2, accum=1, steps=2, device=cpu)
     assert calls == [("fast-offline", 1)] * 4 + [("electra", 1)] * 4
     assert efficiency["offline_vs_electra_time"] > 0 and efficiency["offline_vs_electra_memory"] > 0
+    # the attention backend, named from the profiler: on CPU the fused kernel refuses a bias that needs a
+    # gradient (the trainer's relative-position bias), so training runs the math path; the aux model's
+    # forward (no gradient) runs the fused one
+    assert mfu["sdpa_kernels"] == ["aten::_scaled_dot_product_attention_math"]
+    generation = gpu.measure_generation(config, rows_per_shard=16, shards=2, device=cpu)
+    assert generation["aux_sdpa_kernels"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"]
+    assert generation["tokens"] == 2 * 16 * 32 and generation["gen_vs_forward"] > 0
