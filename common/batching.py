@@ -40,6 +40,11 @@ def length_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
     return batches
 
 
+def flat_positions(flags: torch.Tensor) -> torch.Tensor:
+    """The True positions of a (B, L) host mask as flat row-major int64 indices (`common.model.at_positions`)."""
+    return flags.flatten().nonzero().squeeze(1)
+
+
 def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray | int, seed: int,
                   mask_prob: float, pad_to: int, stream: int = GENERATOR_STREAM, reserved: Reserved = Reserved(),
                   vocab_size: int = 0, drop_rates: np.ndarray | None = None) -> dict:

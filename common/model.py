@@ -203,6 +203,15 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             m.init_locality()
 
 
+def at_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B, L, ...) values at `positions`: a (B, L) bool mask, or the same positions as flat row-major indices
+    (`common.batching.flat_positions`, made on the host). The same values in the same order either way; the
+    indices have a size known before the device runs, where a mask's count is read back (a host sync)."""
+    if positions.dtype == torch.bool:
+        return hidden[positions]
+    return hidden.flatten(0, 1).index_select(0, positions)
+
+
 class MaskedLM(nn.Module):
     """The auxiliary model: encoder + MLM head evaluated only at masked positions."""
 
@@ -213,13 +222,14 @@ class MaskedLM(nn.Module):
         init_weights(self)
 
     def forward(self, input_ids, attention_mask, masked_positions) -> torch.Tensor:
-        """`masked_positions`: bool (B, L). Returns logits (num_masked, vocab) in row-major order."""
+        """`masked_positions`: bool (B, L), or `flat_positions` of it. Returns logits (num_masked, vocab) in
+        row-major order."""
         return self.logits(self.masked_hidden(input_ids, attention_mask, masked_positions))
 
     def masked_hidden(self, input_ids, attention_mask, masked_positions, drop=None) -> torch.Tensor:
         """The encoder's output at the masked positions, (num_masked, hidden): what `logits` turns into
         a distribution, a chunk of positions at a time where the vocabulary is large."""
-        return self.encoder(input_ids, attention_mask, drop)[masked_positions]
+        return at_positions(self.encoder(input_ids, attention_mask, drop), masked_positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)

@@ -91,7 +91,9 @@ def test_the_aux_masks_are_never_the_generators_masks(built):
     originals = [rows[int(i)] for i in ids]
     for epoch in range(4):
         epochs = np.full(len(ids), epoch)
-        aux = mlm_tensors({"input_ids": originals, "row_id": ids, "epoch": epochs}, built.seed, 0.15)["masked_flags"]
+        made = mlm_tensors({"input_ids": originals, "row_id": ids, "epoch": epochs}, built.seed, 0.15)
+        aux = torch.zeros(made["masked_ids"].numel(), dtype=torch.bool).index_fill_(0, made["masked_index"], True)
+        aux = aux.view_as(made["masked_ids"])
         generator = masked_inputs(originals, ids, epochs, built.seed, 0.15, aux.shape[1])["masked_flags"]
         assert (aux.sum(1) == generator.sum(1)).all()  # the same exact count per row ...
         for i in range(len(ids)):
@@ -176,3 +178,44 @@ def test_accumulation_is_derived_and_a_combination_that_does_not_divide_is_named
         accumulation(2048, 8, 48)
     with pytest.raises(ConfigError, match="aux.batch_size 10 is not divisible by the 4 ranks"):
         accumulation(10, 4, 0, "aux")
+
+
+def test_the_mlm_update_never_counts_masked_positions_on_the_device(built):
+    """`make aux`'s update (`train.trainer.update`, objective `mlm`) runs on fake tensors, which carry shapes and
+    no values: the masked positions arrive as flat indices made on the host (`mlm_tensors`), so nothing has a
+    size the device must report (a GPU would wait for each micro-batch's count). The indices give the loss and
+    every gradient of the boolean mask, bitwise."""
+    import contextlib
+    from functools import partial
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import train.mlm as mlm
+    from common.corpus import SplitRows
+    from common.curriculum import masked_count
+    from common.optim import build_optimizer, build_scheduler
+    from train import trainer
+    rows = SplitRows(built.corpus_dir, "train")
+    micro = [{"input_ids": [rows[i] for i in range(s, s + 4)], "row_id": np.arange(s, s + 4),
+              "epoch": np.zeros(4, int)} for s in (0, 4)]
+    batches = [mlm.mlm_tensors(r, built.seed, 0.15) for r in micro]  # host work, before the device's part
+    tc = dataclasses.replace(built.train, objective="mlm")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = mlm.MLMObjective(built.model, built.tokenizer.vocab_size, 2)
+        optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay)
+        scheduler = build_scheduler(optimizer, 2, 10)
+        made = iter(batches)
+        loss, extra, tokens, _, _ = trainer.update(model, model, optimizer, scheduler, micro, lambda _: next(made),
+                                                   torch.device("cpu"), contextlib.nullcontext(), 1, tc,
+                                                   partial(masked_count, mask_prob=0.15))
+    assert loss.shape == extra["top1"].shape == () and tokens == sum(len(r) for m in micro for r in m["input_ids"])
+
+    batch = batches[0]
+    flags = torch.zeros(batch["masked_ids"].numel(), dtype=torch.bool).index_fill_(0, batch["masked_index"], True)
+    results = []
+    for positions in (batch["masked_index"], flags.view_as(batch["masked_ids"])):
+        torch.manual_seed(0)
+        model = mlm.MLMObjective(dataclasses.replace(built.model, dropout=0.0), built.tokenizer.vocab_size, 2)
+        loss, hits = model(batch["masked_ids"], batch["attention_mask"], positions, batch["targets"])
+        loss.backward()
+        results.append((loss.detach(), int(hits), [p.grad for p in model.parameters()]))
+    (loss_a, hits_a, grads_a), (loss_b, hits_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and hits_a == hits_b and all(map(torch.equal, grads_a, grads_b))

@@ -21,15 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common.batching import attention_mask
+from common.batching import attention_mask, flat_positions, masked_inputs
 from common.config import RunConfig
 from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import AUX_MLM_STREAM, VALID_EPOCH
 from common.memory import LOGIT_CHUNK_ENTRIES  # 2^26 fp32 logits (256 MiB): 524 positions at 128K entries
-from common.model import MaskedLM
+from common.model import MaskedLM, at_positions
 from common.plan import epoch_order
 from common.tokenizer import Reserved
-from common.batching import masked_inputs
 from train.objectives import MLM_INPUTS
 from train.online import RowsInMemory
 
@@ -62,8 +61,9 @@ class MLMObjective(MaskedLM):
     """The aux model (its parameters and state_dict are `MaskedLM`'s) whose forward returns the MLM
     loss summed over the masked positions and the top-1 hits, through chunked logits."""
 
-    def forward(self, masked_ids, attention_mask, masked_flags, targets):
-        hidden = self.encoder(masked_ids, attention_mask)[masked_flags]
+    def forward(self, masked_ids, attention_mask, masked_index, targets):
+        """`masked_index`: the masked positions as flat indices (`mlm_tensors`), `targets` the originals there."""
+        hidden = at_positions(self.encoder(masked_ids, attention_mask), masked_index)
         step = chunk_positions(self.head.bias.numel())
         loss, hits = hidden.new_zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.long, device=hidden.device)
         for start in range(0, len(targets), step):
@@ -81,12 +81,14 @@ class MLMObjective(MaskedLM):
 
 
 def mlm_tensors(rows: dict, seed: int, mask_prob: float, reserved: Reserved = Reserved(), vocab_size: int = 0) -> dict:
-    """Corpus rows -> [MASK]ed inputs, attention mask, masked flags and the original ids at the flags."""
+    """Corpus rows -> [MASK]ed inputs, attention mask, the masked positions (flat indices, made here on the
+    host: the forward never waits for the device to count them) and the original ids there."""
     lengths = [len(r) for r in rows["input_ids"]]
     batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths),
                           stream=AUX_MLM_STREAM, reserved=reserved, vocab_size=vocab_size)
     return {"masked_ids": batch["masked_ids"], "attention_mask": attention_mask(lengths, max(lengths)),
-            "masked_flags": batch["masked_flags"], "targets": batch["original_ids"][batch["masked_flags"]]}
+            "masked_index": flat_positions(batch["masked_flags"]),
+            "targets": batch["original_ids"][batch["masked_flags"]]}
 
 
 def valid_rows(corpus_dir: Path, count: int) -> RowsInMemory:

@@ -66,7 +66,7 @@ def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15, reserved
 
 
 ELECTRA_INPUTS = ("masked_ids", "attention_mask", "masked_flags", "original_ids", "uniforms")
-MLM_INPUTS = ("masked_ids", "attention_mask", "masked_flags", "targets")
+MLM_INPUTS = ("masked_ids", "attention_mask", "masked_index", "targets")
 
 
 def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
