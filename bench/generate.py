@@ -328,7 +328,7 @@ def main(argv=None) -> int:
           f"| corpus unigram entropy, bytes per token | {result['entropy_bytes_per_token']:.3f} | (reference) |",
           f"| peak RSS 4x corpus / 1x | {result['peak_rss_4x_vs_1x']:.3f} ({rss_4x:.0f} / {rss_1x:.0f} MB) | <= 1.2 |",
           f"| sampling peak RSS, 4x masked positions / 1x ({SAMPLING_VOCAB:,} entries; "
-          f"{sampling['chunked_1x']['masked']} / {sampling['chunked_4x']['masked']} positions) | "
+          f"{sampling['chunked_4x']['masked']} / {sampling['chunked_1x']['masked']} positions) | "
           f"{result['sampling_peak_4x_vs_1x']:.3f} ({sampling['chunked_4x']['peak_mb']:.0f} / "
           f"{sampling['chunked_1x']['peak_mb']:.0f} MB; the whole batch's logits at once: "
           f"{result['sampling_peak_4x_vs_1x_whole_batch']:.3f}) | <= 1.2 |",
