@@ -109,3 +109,16 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     generation = gpu.measure_generation(config, rows_per_shard=16, shards=2, device=cpu)
     assert generation["aux_sdpa_kernels"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"]
     assert generation["tokens"] == 2 * 16 * 32 and generation["gen_vs_forward"] > 0
+    assert generation["forward_flops_per_s"] > 0
+
+
+def test_bench_gpu_counts_the_aux_forward_as_generation_runs_it(tmp_path):
+    """The aux forward's model FLOPs (`forward_vs_peak`'s numerator): every layer over every token, lookups
+    free, the MLM head only at masked positions. By hand for the tiny test shape (d 32, ffn 64, 2 heads,
+    2 aux layers, 32 tokens, 320 entries): per layer qkv 2*3*L*d^2 = 196,608, scores and their use of the values
+    2 * 2*L^2*d = 131,072, softmax 3*h*L^2 = 6,144, output projection 2*L*d^2 = 65,536, feed-forward
+    2*L*2*d*f = 262,144; per masked position 2*d^2 + 2*d*V = 22,528."""
+    from bench import gpu
+    from tests.conftest import tiny_config
+    per_row = 2 * (196_608 + 131_072 + 6_144 + 65_536 + 262_144)
+    assert gpu.aux_forward_flops(tiny_config(tmp_path), rows=3, masked=5) == 3 * per_row + 5 * 22_528
