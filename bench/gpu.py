@@ -229,7 +229,7 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
         torch.manual_seed(config.seed)
         aux = MaskedLM(config.model, V, config.aux.num_layers)
         aux_path = save_aux(aux, config.model, config.aux.num_layers, V, "synthetic", tmp, {"steps": 0})
-        corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device.type)
+        corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=str(device))
         rows = synthetic_rows(rows_per_shard * (shards + 1), L, V, seed=1)
         plan = GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0)
         tasks = plan_tasks(len(rows), 0, plan, config.seed)  # one epoch of the synthetic rows, T from 2 down
@@ -377,14 +377,14 @@ def markdown(r: dict, args) -> str:
           f"{(r['bf16_peak_flops'] or 0) / 1e12:.0f} TFLOP/s.", "", "| figure | value | goal |", "|---|---|---|"]
     if "mfu" in r:
         m = r["mfu"]
-        md += [f"| trainer MFU (model FLOPs as executed / datasheet peak), {m['tokens_per_update']} tokens per update "
+        md += [f"| trainer MFU, eager (model FLOPs as executed / datasheet peak), {m['tokens_per_update']} tokens per update "
                f"| {m['mfu'] or float('nan'):.3f} ({m['achieved_flops_per_s'] / 1e12:.0f} TFLOP/s, {m['seconds_per_update']:.4f} s/update) | >= 0.40 |",
                f"| same over the measured matmul | {m['vs_matmul']:.3f} | |",
                f"| peak memory | {m['peak_memory_gib']:.1f} GiB | |",
                f"| attention backend of the update (profiler) | {', '.join(m.get('sdpa_kernels', [])) or '?'} | fused |"]
     if "mfu_compiled" in r:
         m = r["mfu_compiled"]
-        md += [f"| the same update, model under torch.compile (not the trainer's path) | {m['mfu'] or float('nan'):.3f} "
+        md += [f"| the same update, model under torch.compile (`[train] compile = auto`: the trainer's path on a GPU) | {m['mfu'] or float('nan'):.3f} "
                f"({m['seconds_per_update']:.4f} s/update) | |"]
     if "efficiency" in r:
         e = r["efficiency"]
