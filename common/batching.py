@@ -9,13 +9,16 @@ from common.curriculum import GENERATOR_STREAM, row_draws
 from common.tokenizer import MASK_ID, PAD_ID, Reserved
 
 
+NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.uint8: np.uint8, torch.float32: np.float32}
+
+
 def pad_rows(rows: list[np.ndarray], pad_value: int = PAD_ID, dtype=torch.long) -> torch.Tensor:
     """(B, longest) tensor, rows left-aligned, padded with `pad_value`."""
     longest = max(len(r) for r in rows)
-    out = np.full((len(rows), longest), pad_value, dtype=np.int64)
+    out = np.full((len(rows), longest), pad_value, dtype=NUMPY_DTYPES[dtype])  # built in `dtype`, no conversion
     for i, r in enumerate(rows):
         out[i, :len(r)] = r
-    return torch.from_numpy(out).to(dtype)
+    return torch.from_numpy(out)
 
 
 def attention_mask(lengths: list[int] | np.ndarray, longest: int) -> torch.Tensor:

@@ -86,9 +86,9 @@ def mlm_tensors(rows: dict, seed: int, mask_prob: float, reserved: Reserved = Re
     lengths = [len(r) for r in rows["input_ids"]]
     batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths),
                           stream=AUX_MLM_STREAM, reserved=reserved, vocab_size=vocab_size)
+    index = flat_positions(batch["masked_flags"])
     return {"masked_ids": batch["masked_ids"], "attention_mask": attention_mask(lengths, max(lengths)),
-            "masked_index": flat_positions(batch["masked_flags"]),
-            "targets": batch["original_ids"][batch["masked_flags"]]}
+            "masked_index": index, "targets": batch["original_ids"].flatten()[index]}
 
 
 def valid_rows(corpus_dir: Path, count: int) -> RowsInMemory:
