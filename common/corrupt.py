@@ -21,13 +21,26 @@ from common.config import GenerateConfig
 from common.corpus import term_counts
 from common.curriculum import rtd_labels
 from common.distributions import (aux_log_probs, log_interpolation, sample_from_log_weights, sample_temperature,
-                                  smoothed_one_hot_log_probs, term_frequency_log_probs, uniform_log_probs)
+                                  scratch_buffer, smoothed_one_hot_log_probs, term_frequency_log_probs,
+                                  uniform_log_probs)
 from common.memory import LOGIT_CHUNK_ENTRIES
+from common.model import MaskedLM
 from common.tokenizer import Reserved
 
 
 def needs_term_counts(distribution: str, augmentation: str) -> bool:
     return distribution in ("term_frequency", "tf_to_soh") or (distribution, augmentation) == ("aux", "tf_interpolation")
+
+
+def top1_hits(logits: torch.Tensor, originals: torch.Tensor) -> torch.Tensor:
+    """How many rows of (K, V) `logits` have their argmax at the row's original id (a device scalar). On CPU
+    argmax is a slow reduction (~6x `amax` at 1,216 x 8,000): only the rows whose original reaches the row's
+    max (or is NaN, which argmax ranks first) are arg-maxed, so a tie is decided as argmax decides it."""
+    if logits.device.type != "cpu":  # argmax costs about amax there, and a row subset would sync
+        return (logits.argmax(-1) == originals).sum()
+    own = logits.gather(1, originals[:, None]).squeeze(1)
+    rows = ((own == logits.amax(-1)) | own.isnan()).nonzero().squeeze(1)
+    return (logits.index_select(0, rows).argmax(-1) == originals.index_select(0, rows)).sum()
 
 
 class Corruptor:
@@ -51,8 +64,8 @@ class Corruptor:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
         # Sampling holds one chunk of positions x V logits at a time (2^26 entries: 524 positions at 128K).
         self.chunk_entries = LOGIT_CHUNK_ENTRIES
-        # The sampler's two (positions, V) fp32 arrays (scaled logits, CDF), kept from chunk to chunk; `sample`
-        # runs under the actor's device lock, one call at a time.
+        # The sampler's (positions, V) fp32 arrays (logits on CPU, scaled logits, CDF), kept from chunk to
+        # chunk; `sample` runs under the actor's device lock, one call at a time.
         self.scratch: dict[str, torch.Tensor] = {}
         self.device_seconds = 0.0  # time in `sample` (aux forward and sampling), for the benchmarks
 
@@ -111,6 +124,14 @@ class Corruptor:
         easy = uniform_log_probs(1, v, self.device, self.reserved)[0] if distribution == "uniform_to_soh" else self.log_tf
         return log_interpolation(easy, soh, gammas)
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The aux head's logits at a chunk of positions. Without autocast (CPU) our own model writes them
+        into a buffer kept from chunk to chunk: a fresh (positions, V) array costs its page faults each time."""
+        if self.autocast is None and isinstance(self.model, MaskedLM):
+            shape = (hidden.shape[0], self.vocab_size)
+            return self.model.logits(hidden, out=scratch_buffer(self.scratch, "logits", hidden, shape))
+        return self.model.logits(hidden)
+
     def _sample(self, hidden, part, uniforms, temperatures, gammas, originals):
         """Replacements at one chunk of a batch's masked positions (`part` of the (K,) per-position arrays), and
         the aux top-1 hits there (0 without an aux model). `hidden`: the aux encoder's output at those
@@ -122,8 +143,8 @@ class Corruptor:
             log_w = self._model_free(distribution, originals[part], gammas[part])
             return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), 0
         with self.autocast or contextlib.nullcontext():
-            logits = self.model.logits(hidden[part])
-        hits = (logits.argmax(-1) == originals[part]).sum()
+            logits = self._head(hidden[part])
+        hits = top1_hits(logits, originals[part])
         if augmentation == "tf_interpolation":
             log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), gammas[part])
             return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), hits

@@ -64,18 +64,19 @@ def temperature_scaled(log_p: torch.Tensor, temperature: torch.Tensor, out: torc
     return torch.div(log_p, t.clamp(*TEMPERATURE_RANGE)[:, None], out=out)
 
 
-def scratch_buffer(scratch: dict | None, name: str, like: torch.Tensor) -> torch.Tensor | None:
-    """A (K, V) fp32 tensor shaped as `like` for an `out=` argument, cut from a flat buffer that `scratch`
-    keeps from call to call (None without `scratch`: the op allocates). On CPU a fresh (K, V) tensor per call
-    costs its page faults (glibc gives blocks that large back to the kernel when freed) about as much as the
-    pass that fills it; a GPU's caching allocator keeps blocks anyway."""
+def scratch_buffer(scratch: dict | None, name: str, like: torch.Tensor, shape: tuple[int, int] | None = None
+                   ) -> torch.Tensor | None:
+    """A (K, V) fp32 tensor shaped as `like` (or `shape`, on `like`'s device) for an `out=` argument, cut from
+    a flat buffer that `scratch` keeps from call to call (None without `scratch`: the op allocates). On CPU a
+    fresh (K, V) tensor per call costs its page faults (glibc gives blocks that large back to the kernel when
+    freed) about as much as the pass that fills it; a GPU's caching allocator keeps blocks anyway."""
     if scratch is None:
         return None
-    size = like.shape[0] * like.shape[1]
+    rows, cols = shape or like.shape
     flat = scratch.get(name)
-    if flat is None or flat.numel() < size or flat.device != like.device:
-        flat = scratch[name] = torch.empty(size, dtype=torch.float32, device=like.device)
-    return flat[:size].view(like.shape[0], like.shape[1])
+    if flat is None or flat.numel() < rows * cols or flat.device != like.device:
+        flat = scratch[name] = torch.empty(rows * cols, dtype=torch.float32, device=like.device)
+    return flat[:rows * cols].view(rows, cols)
 
 
 def uniform_log_probs(num_rows: int, vocab_size: int, device="cpu", reserved: Reserved = RESERVED) -> torch.Tensor:

@@ -162,8 +162,13 @@ class MLMHead(nn.Module):
         self.embedding = embedding  # tied, not a copy
         self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ln(F.gelu(self.dense(hidden))), self.embedding.weight, self.bias)
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a (positions, vocab) fp32 tensor to write the logits into (the sampler's kept buffer),
+        the same values as without it."""
+        h = self.ln(F.gelu(self.dense(hidden)))
+        if out is None:
+            return F.linear(h, self.embedding.weight, self.bias)
+        return torch.addmm(self.bias, h, self.embedding.weight.t(), out=out)  # what F.linear runs, into `out`
 
 
 class RTDHead(nn.Module):
@@ -231,8 +236,8 @@ class MaskedLM(nn.Module):
         a distribution, a chunk of positions at a time where the vocabulary is large."""
         return at_positions(self.encoder(input_ids, attention_mask, drop), masked_positions)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(hidden, out)
 
 
 class ReplacedTokenDetector(nn.Module):

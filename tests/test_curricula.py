@@ -167,3 +167,46 @@ def test_aux_top1_counts_the_masked_positions_whose_original_the_aux_model_ranks
             originals = torch.from_numpy(np.concatenate([rows[i][positions[i]] for i in batch])).long()
             expected += int((logits.argmax(-1) == originals).sum())
     assert 0 < expected == out["aux_top1"] < out["masked"]
+
+
+def test_top1_hits_decides_ties_and_nans_as_argmax_does():
+    """The CPU form (argmax only over rows whose original reaches the max) against argmax over every row,
+    on rows built to tie at the max before, at and after the original, and with NaN logits."""
+    import torch
+    from common.corrupt import top1_hits
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(400, 50, generator=gen).round(decimals=1)  # rounded: ties at the max are common
+    originals = torch.randint(0, 50, (400,), generator=gen)
+    originals[:100] = logits[:100].argmax(-1)  # hits
+    logits[100:150, 7] = logits[100:150].amax(-1)  # a tie at 7 with the max...
+    originals[100:125], originals[125:150] = 7, 40  # ...the original at it, or after it
+    logits[125:150, 40] = logits[125:150, 7]
+    logits[150:160, 3] = float("nan")
+    originals[150:155], originals[155:160] = 3, 4  # the NaN itself, or another id in a NaN row
+    reference = (logits.argmax(-1) == originals).sum()
+    assert 100 < int(reference) < 400
+    assert int(top1_hits(logits, originals)) == int(reference)
+    assert int(top1_hits(logits[:0], originals[:0])) == 0
+
+
+def test_the_aux_heads_kept_logits_buffer_changes_no_value_and_is_reused(built):
+    """On CPU the Corruptor writes the aux head's logits into a buffer kept from chunk to chunk: the values of
+    the head's own call, bitwise, for chunks of any size; one buffer reused; the same corruption as a
+    Corruptor whose head allocates its logits each time."""
+    import torch
+    rows = load_split(built.corpus_dir, "train")[:24]
+    ids, temps = np.arange(24), np.linspace(2.0, 1.0, 24)
+    kept, plain = _corruptor(built), _corruptor(built)
+    plain._head = lambda hidden: plain.model.logits(hidden)
+    outs = [c(rows, ids, 1, temps) for c in (kept, plain)]
+    for key in ("input_ids", "labels"):
+        assert all(np.array_equal(a, b) for a, b in zip(outs[0][key], outs[1][key]))
+    assert outs[0]["aux_top1"] == outs[1]["aux_top1"] > 0
+    assert "logits" in kept.scratch and "logits" not in plain.scratch
+    pointer = kept.scratch["logits"].data_ptr()
+    _, _, batches = kept.masked_batches(rows, ids, 1)
+    with torch.no_grad():
+        hidden = kept.aux_hidden(*batches[0][1:])
+        for part in (slice(0, len(hidden)), slice(3, 10), slice(0, 1)):
+            assert torch.equal(kept._head(hidden[part]), kept.model.logits(hidden[part]))
+    assert kept.scratch["logits"].data_ptr() == pointer
