@@ -99,9 +99,10 @@ class Corruptor:
         return positions, uniforms, batches
 
     def aux_logits(self, ids, attn, flags) -> torch.Tensor:
-        """The aux model's logits at the masked positions of a batch, all at once (benchmarks)."""
+        """The aux model's logits at the masked positions of a batch, all at once, through the head call that
+        sampling makes (a kept buffer on CPU): the pure forward the benchmarks compare generation with."""
         with self.autocast or contextlib.nullcontext():
-            return self.model.logits(self.model.masked_hidden(ids, attn, flags))
+            return self._head(self.model.masked_hidden(ids, attn, flags))
 
     def aux_hidden(self, ids, attn, flags, dropout=None, attention_dropout=None, generators=None) -> torch.Tensor:
         """The aux encoder's output at the masked positions; with per-row `dropout` / `attention_dropout` rates
