@@ -100,7 +100,8 @@ class Corruptor:
 
     def aux_logits(self, ids, attn, flags) -> torch.Tensor:
         """The aux model's logits at the masked positions of a batch, all at once, through the head call that
-        sampling makes (a kept buffer on CPU): the pure forward the benchmarks compare generation with."""
+        sampling makes: the pure forward the benchmarks compare generation with. On CPU the result is the kept
+        buffer, valid until the Corruptor's next call."""
         with self.autocast or contextlib.nullcontext():
             return self._head(self.model.masked_hidden(ids, attn, flags))
 
@@ -127,7 +128,8 @@ class Corruptor:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The aux head's logits at a chunk of positions. Without autocast (CPU) our own model writes them
-        into a buffer kept from chunk to chunk: a fresh (positions, V) array costs its page faults each time."""
+        into a buffer kept from chunk to chunk (a fresh (positions, V) array costs its page faults each time),
+        so the result is valid until the next call."""
         if self.autocast is None and isinstance(self.model, MaskedLM):
             shape = (hidden.shape[0], self.vocab_size)
             return self.model.logits(hidden, out=scratch_buffer(self.scratch, "logits", hidden, shape))
