@@ -272,9 +272,9 @@ class TrainConfig:
     clip_norm: float = 2.0
     """Gradient clipping by global norm."""
     rel_bias_lr_scale: float = 1.0
-    """Learning-rate multiplier of the relative-position bias table (1 = paper; tiny runs need ~100)."""
+    """Learning-rate multiplier of the relative-position bias table (1 = paper; reproduce.toml: 100)."""
     embed_lr_scale: float = 1.0
-    """Learning-rate multiplier of the token embeddings (1 = paper; the tiny preset uses 30)."""
+    """Learning-rate multiplier of the token embeddings (1 = paper; reproduce.toml: 30)."""
     max_steps: int = 0
     """Stop after this many updates (0 = all rows of all epochs)."""
     eval_every: int = 50

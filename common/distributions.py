@@ -3,9 +3,9 @@
 Every distribution is a (K, V) tensor of fp32 log-weights, one row per masked position,
 defined up to a constant per row: the sampler normalises them (so interpolations are
 renormalised there), gives special tokens zero mass and draws one token per row by
-inverse CDF with the row's own uniform. Special tokens are outside every distribution:
-"the vocabulary" below means its V - 5 non-special tokens, so a sample is never
-[PAD] ... [MASK].
+inverse CDF with the row's own uniform. Reserved tokens are outside every distribution:
+"the vocabulary" below means the tokens that are not reserved (our five specials, and an hf:
+tokenizer's own specials and unused block), so a sample is never [PAD] ... [MASK].
 
 The paper's own path, `sample_temperature`, is five passes over (K, V): since
 log p_aux = logits - logsumexp(logits), Softmax(log p_aux / T) = Softmax(logits / T),

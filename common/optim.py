@@ -11,7 +11,7 @@ def build_optimizer(model: nn.Module, lr: float, betas, eps: float, weight_decay
     """AdamW with decoupled weight decay on matrices only (biases and LayerNorm are not decayed).
 
     Two tables learn slowly at a small step count, and get their own learning-rate multipliers
-    (1 = the paper, for 125K-step runs; the tiny preset raises them, docs/design.md, design notes):
+    (1 = the paper, for 125K-step runs, and every preset but reproduce.toml's; docs/design.md, design notes):
     - the relative-position bias (`rel_bias_lr_scale`, no decay): Adam moves each entry by about lr
       per step, and without absolute positions it is the model's only sense of order;
     - the token embeddings (`embed_lr_scale`): a row is only updated when its token is in the batch.

@@ -19,8 +19,8 @@ from common.storage import location
 
 
 class ShardWriter:
-    """Holds the corpus rows (anything indexable by row id: a list, or the memory-mapped
-    `common.corpus.SplitRows`) and a Corruptor; turns a ShardTask into a Parquet file."""
+    """Holds the corpus rows ({"train": rows, "valid": rows}, each indexable by row id: a list, or the
+    memory-mapped `common.corpus.SplitRows`) and a Corruptor; turns a ShardTask into a Parquet file."""
 
     def __init__(self, corpus_rows: dict, corruptor: Corruptor, out_dir: str | Path, zstd_level: int = 19,
                  row_group_rows: int = 0):

@@ -1,5 +1,6 @@
-"""The Fast-ELECTRA trainer: RTD loss only, on the generator's shards (paper section 3:
-min_theta L_RTD(theta); the aux model costs nothing here). `train()` is the loop, top to bottom.
+"""The one training loop: by default Fast-ELECTRA's RTD loss on the generator's shards (paper section 3:
+min_theta L_RTD(theta); the aux model costs nothing here), and the same loop for the baselines
+(`fast-online`, `electra`) and the aux model's own MLM run (`mlm`). `train()` is the loop, top to bottom.
 
 Global batch b at step s = stream rows [s*b, (s+1)*b); rank r of W reads its contiguous b/W
 rows as micro-batches of `micro_batch` rows, built one at a time. The loss is the mean over all
@@ -212,7 +213,8 @@ def nonfinite_error(progress, step: int, batch_size: int, ckpt_dir: Path) -> Flo
 
 
 def train(args, after_step=None) -> dict:
-    """`args`: manifest, data, out, resume (and optionally sets, corpus, aux, deadline). `after_step(step)`
+    """`args`: manifest, data, out, resume (and optionally sets, corpus, aux, deadline, follow, follow_timeout,
+    follow_pid). `after_step(step)`
     is called after every update (the tests' fault injection). Rank 0 holds the run folder's lock."""
     rank, world, device = setup_distributed()
     config = load_manifest(args.manifest, getattr(args, "sets", ()))
@@ -250,7 +252,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         raise DataError(f"{data_desc} holds {stream.num_rows} training rows; train.max_steps {tc.max_steps} x "
                         f"train.batch_size {tc.batch_size} needs {needed}. Generate a stream for this budget "
                         f"(generate.epochs = 0 derives the epochs from it) or set train.allow_short_stream = true")
-    # 32 rows x 128 tokens = 4096 tokens per update on the tiny preset.
+    # 16 rows x 128 tokens = 2,048 tokens per update on the tiny preset.
     total_steps = stream.num_rows // tc.batch_size
     if tc.max_steps:
         total_steps = min(total_steps, tc.max_steps)
