@@ -26,7 +26,7 @@ from pathlib import Path
 from common.checkpoint import AUX_FILE, latest_checkpoint, read_aux_meta, save_aux, save_hf_aux
 from common.config import RunConfig, config_to_dict, dump_toml, save_resolved, trajectory_config
 from common.corpus import load_corpus_meta
-from common.io import sha256_file
+from common.io import DamagedFile, sha256_file
 from common.model import MaskedLM
 from common.sources import CorpusError
 from common.tokenizer import open_tokenizer
@@ -143,7 +143,7 @@ def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
     try:
         meta = read_aux_meta(out_dir / AUX_FILE)
         corpus = load_corpus_meta(corpus_dir)
-    except (FileNotFoundError, CorpusError):
+    except (FileNotFoundError, CorpusError, DamagedFile):  # a damaged aux.json: published again from the run
         return False
     if config.aux.source or meta.get("kind") == "hf":
         from common import hf

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import ModelConfig
-from common.io import atomic_path, atomic_write_json, sha256_file
+from common.io import atomic_path, atomic_write_json, parse_json, read_json, sha256_file
 from common.model import MaskedLM
 from common.tokenizer import Reserved
 
@@ -32,9 +32,15 @@ def safe_load(path: str | Path, map_location="cpu") -> dict:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise IncompatibleInputs(f"{path} holds objects other than tensors and plain types (pickled code?); "
-                                 f"refusing to load it: loading could run code. Use a file written by this "
-                                 f"project ({str(e).splitlines()[0][:200]})") from None
+        if "Unsupported global" in str(e):
+            raise IncompatibleInputs(f"{path} holds objects other than tensors and plain types (pickled code?); "
+                                     f"refusing to load it: loading could run code. Use a file written by this "
+                                     f"project ({str(e).splitlines()[0][:200]})") from None
+        raise IncompatibleInputs(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
+                                 f"format: torch.load found no tensors and plain types in it)") from None
+    except (KeyError, RuntimeError, EOFError, ValueError) as e:  # torch.load on bytes it cannot read
+        raise IncompatibleInputs(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
+                                 f"format: {type(e).__name__} {str(e).splitlines()[0][:120]})") from None
 
 
 def save_aux(model: MaskedLM, model_cfg: ModelConfig, num_layers: int, vocab_size: int,
@@ -68,7 +74,7 @@ def read_aux_meta(path: str | Path) -> dict:
         raise FileNotFoundError(f"auxiliary model {path} does not exist (run `make aux`)")
     if not meta.is_file():
         raise FileNotFoundError(f"auxiliary model {path} has no {AUX_META} beside it")
-    return json.loads(meta.read_text())
+    return read_json(meta, ("sha256", "tokenizer_sha256"), "`make aux` (python -m auxiliary) writes it again")
 
 
 def local_aux(path) -> Path:
@@ -84,7 +90,7 @@ def local_aux(path) -> Path:
                                 f"--out {remote.parent})")
     text = meta_remote.read_text()
     local = cache_folder(remote.parent, "aux")
-    local_copy(remote, local / remote.name, remote.stat().st_size, json.loads(text)["sha256"])
+    local_copy(remote, local / remote.name, remote.stat().st_size, parse_json(text, meta_remote, ("sha256",))["sha256"])
     if not (local / AUX_META).is_file() or (local / AUX_META).read_text() != text:
         with atomic_path(local / AUX_META) as tmp:
             Path(tmp).write_text(text)

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from common.io import atomic_path
+from common.io import atomic_path, parse_json, read_json
 from common.sources import CorpusError
 
 CORPUS_META = "corpus.json"
+REBUILD = "`make corpus` (python -m corpus) builds it again"
 TERM_COUNTS_FILE = "train.term_counts.npy"
 
 
@@ -126,7 +127,7 @@ def local_corpus(corpus_dir) -> Path:
         raise CorpusError(f"no corpus at {remote} ({CORPUS_META} missing): build one with "
                           f"`python -m corpus --out {remote}`")
     text = (remote / CORPUS_META).read_text()
-    meta = json.loads(text)
+    meta = parse_json(text, remote / CORPUS_META, ("train", "valid"), REBUILD)
     for name in TOKENIZER_FILES:
         if (remote / name).is_file():
             local_copy(remote / name, local / name, (remote / name).stat().st_size)
@@ -145,7 +146,7 @@ def load_corpus_meta(corpus_dir) -> dict:
     path = location(corpus_dir) / CORPUS_META
     if not path.is_file():
         raise CorpusError(f"no corpus at {corpus_dir} ({CORPUS_META} missing): run `make corpus` first")
-    meta = json.loads(path.read_text())
+    meta = read_json(path, (), REBUILD)
     if meta.get("corpus_format") != CORPUS_FORMAT:
         raise CorpusError(f"corpus {corpus_dir} was built by an older version (format "
                           f"{meta.get('corpus_format', 2)}, this one reads {CORPUS_FORMAT}); rebuild it with `make corpus`")

@@ -27,6 +27,30 @@ def sha256_file(path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+class DamagedFile(ValueError):
+    """A JSON file a stage wrote that does not read back: cut short, edited, or another program's."""
+
+
+def read_json(path, required: tuple[str, ...] = (), remedy: str = "") -> dict:
+    """The JSON object in `path` (a folder path or an object), with the keys in `required`; anything else is
+    a `DamagedFile` error that names the file, what is wrong with it and `remedy` (how to make it again)."""
+    return parse_json(path.read_text(), path, required, remedy)
+
+
+def parse_json(text: str, path, required: tuple[str, ...] = (), remedy: str = "") -> dict:
+    """`read_json` of text already read from `path`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DamagedFile(f"{path} is damaged (not JSON: {e}){remedy and '; ' + remedy}") from None
+    if not isinstance(value, dict):
+        raise DamagedFile(f"{path} is damaged (a JSON {type(value).__name__}, not an object){remedy and '; ' + remedy}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise DamagedFile(f"{path} is damaged or not this project's (no {', '.join(missing)}){remedy and '; ' + remedy}")
+    return value
+
+
 def tmp_path_for(path: Path) -> Path:
     """Temporary sibling of `path`; its name never collides with a final name."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -31,8 +31,8 @@ import pyarrow as pa
 from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
 from common.storage import cache_folder, is_remote, location
-from common.io import (FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text, publish_folder,
-                       read_records, remove_stale_tmp, sha256_file, tmp_path_for)
+from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
+                       publish_folder, read_records, remove_stale_tmp, sha256_file, tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
                             source_files, work_units)
@@ -523,6 +523,6 @@ def corpus_is_current(config: RunConfig, corpus_dir: Path, source: str) -> bool:
         remote = location(corpus_dir)
         files = source_files(source, cache_dir=(cache_folder(remote, "builds").parent if is_remote(remote)
                                                 else Path(corpus_dir).parent) / "downloads")
-    except CorpusError:
+    except (CorpusError, DamagedFile):  # a damaged corpus.json: built again
         return False
     return meta.get("build_key") == build_key(config, files) and meta.get("source") == source

@@ -322,6 +322,10 @@ def check_output(out: Path, force: bool) -> None:
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"output folder {out} exists and is not empty; choose another --out or pass --force "
                           f"to replace it")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        # --force replaces an earlier export only: a mistyped --out (a run, a home folder) is never deleted
+        raise ExportError(f"output folder {out} is not empty and holds no config.json: not a model directory, "
+                          f"which is all --force replaces; choose another --out")
 
 
 def check_sources_outside(trained: Trained, out: Path) -> None:
@@ -337,8 +341,8 @@ def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
     """Write `trained` as a Hugging Face model directory at `out` (atomically; verified before it is
     published)."""
     transformers = require_transformers()
-    check_output(out, force)
     check_sources_outside(trained, out)
+    check_output(out, force)
     with FolderLock(out, "python -m export"):
         staging = out.with_name(f".{out.name}.export-tmp")
         if staging.exists():

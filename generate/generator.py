@@ -20,8 +20,8 @@ from pathlib import Path
 from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, local_aux, read_aux_meta
 from common.config import RunConfig, config_to_dict, save_resolved
 from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
-from common.io import FolderLock, atomic_write_json, remove_stale_tmp, sha256_file
-from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, SHARD_SCHEMA
+from common.io import DamagedFile, FolderLock, atomic_write_json, read_json, remove_stale_tmp, sha256_file
+from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA
 from common.sources import CorpusError
 from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
 from common.corrupt import needs_term_counts
@@ -51,7 +51,13 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     key = generation_key(config.seed, config.generate, corpus, aux["sha256"], plan.total_rows)
     plan_path = out_dir / PLAN_FILE
     if plan_path.is_file():
-        existing = json.loads(plan_path.read_text())
+        try:
+            existing = read_json(plan_path)
+        except DamagedFile as e:
+            if not force:
+                raise OutputConflict(f"{e}: the generation of {out_dir} is unknown; use --force to generate it "
+                                     f"anew, or another --out") from None
+            existing = {}
         if existing.get("generation_key") != key:
             if not force:
                 raise OutputConflict(f"{out_dir} holds shards of a different generation (key "
@@ -59,8 +65,10 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
                                      f"use another --out or --force to replace them")
             rmtree(out_dir)
     elif out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
-            raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}; use another --out or --force")
+        # --force replaces shard folders only: a mistyped --out (a corpus, a home folder) is never deleted
+        if not (force and any((out_dir / name).is_file() for name in (MANIFEST_FILE, PROGRESS_FILE))):
+            raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}: not a folder of shards; use "
+                                 f"another --out{'' if force else ' (--force replaces only a folder of shards)'}")
         rmtree(out_dir)
     return {"corpus": corpus, "aux": aux, "key": key, "plan": plan}
 
@@ -187,9 +195,13 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
         log(f"generate: {out_dir / path} is missing or damaged (size or sha256 differ from its record); redoing it")
     todo = [t for t in tasks if t.path not in done]
     if manifest_path.is_file() and not todo:
-        how = "every shard hashed" if verify else f"sizes and times as when last hashed; --verify hashes every shard"
-        log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards; {how})")
-        return json.loads(manifest_path.read_text())
+        try:
+            manifest = read_json(manifest_path, ("epochs", "valid"))
+            how = "every shard hashed" if verify else f"sizes and times as when last hashed; --verify hashes every shard"
+            log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards; {how})")
+            return manifest
+        except DamagedFile as e:  # the shards' records hold all it says
+            log(f"generate: {e}; writing it again from the shards' records")
     if todo:
         # Shards of one folder come from one kind of device: the aux model runs in bf16 autocast on GPU and
         # fp32 on CPU, so finishing a GPU folder on CPU (or the reverse) would make rows depend on where each

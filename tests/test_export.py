@@ -298,6 +298,9 @@ def test_force_never_replaces_a_folder_the_export_reads(exported, tmp_path, caps
     run = shutil.copytree(out.parent / "run", tmp_path / "run")
     for target in (run, tmp_path):
         assert export_main(["--run", str(run), "--out", str(target), "--force"]) == 2
+        assert "holds no config.json" in capsys.readouterr().err  # not a model directory
+        (target / "config.json").write_text("{}")  # as if one were: still never replaced
+        assert export_main(["--run", str(run), "--out", str(target), "--force"]) == 2
         err = capsys.readouterr().err
         assert f"output folder {target} holds" in err and "which the export reads" in err, err
         assert list((run / "checkpoints").glob("step-*.pt"))
@@ -322,6 +325,10 @@ def test_force_replaces_an_export_and_a_missing_extra_names_the_install_command(
     again = tmp_path / "again"
     again.mkdir()
     (again / "stale.txt").write_text("from an earlier export")
+    assert export_main(["--run", str(out.parent / "run"), "--out", str(again), "--force",
+                        "--data", str(out.parent / "epochs")]) == 2  # not a model directory: never replaced
+    assert "holds no config.json" in capsys.readouterr().err and (again / "stale.txt").is_file()
+    (again / "config.json").write_text("{}")
     assert export_main(["--run", str(out.parent / "run"), "--out", str(again), "--force",
                         "--data", str(out.parent / "epochs")]) == 0
     assert not (again / "stale.txt").exists()
@@ -466,7 +473,7 @@ def test_an_export_that_does_not_reproduce_the_model_is_not_published(exported, 
     monkeypatch.setattr(exporter, "hf_weights", changed)
     target = tmp_path / "kept"
     target.mkdir()
-    (target / "old.txt").write_text("the previous export")
+    (target / "config.json").write_text("{}")  # the previous export
     with pytest.raises(exporter.ExportError, match="does not reproduce it.*nothing was written to " + re.escape(str(target))):
         export(from_run(out.parent / "run", data=out.parent / "epochs"), target, force=True, log=lambda *a: None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and [p.name for p in target.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and [p.name for p in target.iterdir()] == ["config.json"]

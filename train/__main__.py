@@ -13,7 +13,8 @@ import time
 
 from common.checkpoint import IncompatibleInputs
 from common.config import ConfigError, add_set_argument
-from common.io import FolderLocked
+from common.io import DamagedFile, FolderLocked
+from common.sources import CorpusError
 from train.data import DataError
 from train.trainer import train
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     die_with_parent()
     try:
         train(args, after_step=test_hook())
-    except (ConfigError, DataError, IncompatibleInputs, FolderLocked) as e:
+    except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return leave(2)
     return 0

@@ -23,11 +23,14 @@ import torch
 from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs
 from common.config import RunConfig
-from common.corpus import CORPUS_META
-from common.io import FolderLock, _alive, read_record, sha256_file
+from common.corpus import CORPUS_META, REBUILD
+from common.io import FolderLock, _alive, read_json, read_record, sha256_file
 from common.shards import (FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA, data_fingerprint,
                            list_column, open_parquet, stream_fingerprint)
 from common.storage import is_remote, list_files, location
+
+
+REGENERATE = "`make generate-epochs` (python -m generate) on this folder checks its shards and writes it again"
 
 
 class DataError(ValueError):
@@ -46,7 +49,7 @@ def load_data_manifest(data_dir, config: RunConfig) -> tuple[dict, str]:
     path = location(data_dir) / MANIFEST_FILE
     if not path.is_file():
         raise DataError(f"{path} does not exist: run `make generate-epochs` (an unfinished generation has no manifest)")
-    manifest = json.loads(path.read_text())
+    manifest = read_json(path, ("vocab_size", "max_seq_len", "schema", "epochs", "valid"), REGENERATE)
     check_data(manifest, data_dir, config)
     return manifest, data_fingerprint(manifest)
 
@@ -61,7 +64,7 @@ def check_data(manifest: dict, data_dir, config: RunConfig) -> None:
                                  f"manifest config has corpus.max_seq_len = {config.corpus.max_seq_len}")
     corpus_meta = location(config.corpus_dir) / CORPUS_META  # the corpus whose tokenizer reads this run's model later
     if corpus_meta.is_file() and manifest.get("tokenizer_sha256"):
-        ours = json.loads(corpus_meta.read_text()).get("tokenizer_sha256")
+        ours = read_json(corpus_meta, (), REBUILD).get("tokenizer_sha256")
         if ours and ours != manifest["tokenizer_sha256"]:
             raise IncompatibleInputs(f"shards in {data_dir} were made with tokenizer {manifest['tokenizer_sha256'][:12]}, "
                                      f"but this run's corpus {config.corpus_dir} has tokenizer {ours[:12]}: fine-tuning "
@@ -183,7 +186,7 @@ def planned_manifest(data_dir, config: RunConfig, timeout: float, log=print, gen
             raise DataError(f"{path} did not appear within {timeout:.0f}s (train --follow): start `make "
                             f"generate-epochs` for {data_dir}, or train on a finished folder")
         time.sleep(Follower.POLL_S)
-    plan = json.loads(path.read_text())
+    plan = read_json(path, (), REGENERATE)
     if plan.get("format_version") != FORMAT_VERSION or "shards" not in plan:
         raise DataError(f"{path} was written by an older generator and lists no shards; let it finish and train "
                         f"without --follow, or generate the folder again")
@@ -201,7 +204,7 @@ def expected_key(config: RunConfig) -> str | None:
     from common.plan import generation_key, stream_plan
     corpus_path = location(config.corpus_dir) / CORPUS_META
     try:
-        corpus, aux = json.loads(corpus_path.read_text()), read_aux_meta(location(config.aux_dir) / AUX_FILE)
+        corpus, aux = read_json(corpus_path, ("train",), REBUILD), read_aux_meta(location(config.aux_dir) / AUX_FILE)
     except FileNotFoundError:
         return None
     total_rows = stream_plan(corpus["train"]["rows"], config).total_rows

@@ -1,0 +1,133 @@
+"""Files a stage wrote that come back damaged (cut short, edited, another program's), and output folders that
+are not the stage's own: a one-line error that names the file and how to make it again, never a traceback;
+what the file's stage can rebuild, it rebuilds; `--force` never deletes a folder it did not write."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs, read_aux_meta, safe_load
+from common.corpus import CORPUS_META, load_corpus_meta
+from common.io import DamagedFile, read_json
+from common.shards import MANIFEST_FILE, PLAN_FILE, data_fingerprint
+
+DAMAGE = {"cut short": '{"vocab_size": 320, "max_seq', "a list": "[1, 2]", "no keys": "{}"}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_read_json_names_the_file_what_is_wrong_and_the_remedy(tmp_path, damage):
+    path = tmp_path / "manifest.json"
+    path.write_text(DAMAGE[damage])
+    with pytest.raises(DamagedFile) as error:
+        read_json(path, ("vocab_size",), "run the stage again")
+    message = str(error.value)
+    assert str(path) in message and message.endswith("; run the stage again"), message
+    assert {"cut short": "not JSON", "a list": "a JSON list", "no keys": "no vocab_size"}[damage] in message
+    path.write_text('{"vocab_size": 320}')
+    assert read_json(path, ("vocab_size",)) == {"vocab_size": 320}
+
+
+@pytest.mark.slow  # the session's generated folder (Ray)
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_the_trainer_stops_on_a_damaged_data_manifest_with_one_line(generated, tmp_path, capsys, damage):
+    from train.__main__ import main as train_main
+    manifest, data, _ = generated
+    copy = shutil.copytree(data, tmp_path / "epochs")
+    (copy / MANIFEST_FILE).write_text(DAMAGE[damage])
+    assert train_main(["--manifest", str(manifest), "--data", str(copy), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"{copy / MANIFEST_FILE} is damaged" in err and "make generate-epochs" in err, err
+
+
+@pytest.mark.slow  # the session's generated folder (Ray)
+def test_the_generator_writes_a_damaged_manifest_again_from_the_shards_records(generated, tmp_path):
+    """A complete folder whose manifest.json was cut short: the generator rewrites it (the same shards and
+    fingerprint, nothing regenerated: no Ray is started for an empty to-do list)."""
+    from common.config import load_manifest
+    from generate.generator import generate
+    manifest, data, _ = generated
+    config = load_manifest(manifest)
+    copy = shutil.copytree(data, tmp_path / "epochs")
+    before = json.loads((copy / MANIFEST_FILE).read_text())
+    shards = {p: p.stat().st_mtime_ns for p in copy.rglob("*.parquet")}
+    (copy / MANIFEST_FILE).write_text('{"epochs": [')
+    logged = []
+    after = generate(config, copy, config.corpus_dir, config.aux_dir / AUX_FILE, 1, None, False, log=logged.append)
+    assert any(f"{copy / MANIFEST_FILE} is damaged" in line and "writing it again" in line for line in logged), logged
+    assert json.loads((copy / MANIFEST_FILE).read_text()) == after
+    assert data_fingerprint(after) == data_fingerprint(before) and after["epochs"] == before["epochs"]
+    assert {p: p.stat().st_mtime_ns for p in copy.rglob("*.parquet")} == shards
+
+
+@pytest.mark.slow  # the session's generated folder (Ray)
+def test_a_damaged_plan_stops_the_generator_unless_forced(generated, tmp_path):
+    from common.config import load_manifest
+    from generate.generator import OutputConflict, check_inputs
+    manifest, data, _ = generated
+    config = load_manifest(manifest)
+    copy = shutil.copytree(data, tmp_path / "epochs")
+    (copy / PLAN_FILE).write_text("not json")
+    with pytest.raises(OutputConflict, match=f"{copy / PLAN_FILE} is damaged.*--force"):
+        check_inputs(config, config.corpus_dir, config.aux_dir / AUX_FILE, copy, force=False)
+    assert (copy / MANIFEST_FILE).is_file()
+    check_inputs(config, config.corpus_dir, config.aux_dir / AUX_FILE, copy, force=True)  # a folder of shards: replaced
+    assert not copy.exists()
+
+
+def test_force_never_deletes_a_folder_that_holds_no_shards(built, tmp_path):
+    """A mistyped --out (here a copy of the corpus folder) is refused with or without --force; a folder of
+    shards whose plan.json is gone (its progress log left) is still one --force replaces."""
+    from generate.generator import OutputConflict, check_inputs
+    corpus = shutil.copytree(built.corpus_dir, tmp_path / "corpus")
+    before = sorted(p.relative_to(corpus) for p in corpus.rglob("*"))
+    for force in (False, True):
+        with pytest.raises(OutputConflict, match=f"{corpus} is not empty and holds no plan.json: not a folder of shards"):
+            check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, corpus, force=force)
+    assert sorted(p.relative_to(corpus) for p in corpus.rglob("*")) == before
+    shards = tmp_path / "epochs"
+    (shards / "epoch-000").mkdir(parents=True)
+    (shards / "progress.jsonl").write_text("")
+    with pytest.raises(OutputConflict, match="--force replaces only a folder of shards"):
+        check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=False)
+    check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=True)
+    assert not shards.exists()
+
+
+def test_a_damaged_corpus_json_is_named_and_the_corpus_stage_builds_it_again(built, tmp_path):
+    from corpus.build import corpus_is_current
+    corpus = shutil.copytree(built.corpus_dir, tmp_path / "corpus")
+    assert corpus_is_current(built, corpus, built.corpus.source)
+    (corpus / CORPUS_META).write_text("[]")
+    with pytest.raises(DamagedFile, match=f"{corpus / CORPUS_META} is damaged .*`make corpus`"):
+        load_corpus_meta(corpus)
+    assert not corpus_is_current(built, corpus, built.corpus.source)  # so `make corpus` rebuilds it
+
+
+def test_a_damaged_aux_json_is_named_and_the_aux_stage_publishes_it_again(built, tmp_path):
+    from auxiliary.mlm import aux_is_current
+    aux = shutil.copytree(built.aux_dir, tmp_path / "aux")
+    assert aux_is_current(built, built.corpus_dir, aux)
+    (aux / AUX_META).write_text('{"sha256": "ab"}')
+    with pytest.raises(DamagedFile, match=f"{aux / AUX_META} is damaged .*no tokenizer_sha256.*`make aux`"):
+        read_aux_meta(aux / AUX_FILE)
+    assert not aux_is_current(built, built.corpus_dir, aux)
+
+
+@pytest.mark.parametrize("content", [b"hello", bytes(range(256)) * 8, b"PK\x03\x04" + b"\0" * 64])
+def test_a_file_that_is_no_checkpoint_is_refused_by_name(tmp_path, content):
+    path = tmp_path / "step-00000004.pt"
+    path.write_bytes(content)
+    with pytest.raises(IncompatibleInputs, match=f"{path} is not a checkpoint this project wrote"):
+        safe_load(path)
+
+
+def test_finetune_on_a_file_that_is_no_checkpoint_ends_with_one_line(tmp_path, capsys):
+    from finetune.__main__ import main as finetune_main
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"hello")
+    assert finetune_main(["--checkpoint", str(junk), "--task", str(tmp_path / "task")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and f"{junk} is not a checkpoint" in err, err
