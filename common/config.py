@@ -96,6 +96,14 @@ class ModelConfig:
     (last head); 0 = T5's near-zero initialisation (paper). See `RelativePositionBias.init_locality`."""
 
     def __post_init__(self):
+        for key in ("hidden_size", "num_layers", "num_heads", "ffn_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.rel_buckets < 4 or self.rel_max_distance <= self.rel_buckets // 4:
+            # T5's bucketing: half the buckets per direction, half of those exact, the rest logarithmic up to
+            # rel_max_distance, which must lie past the exact ones
+            raise ConfigError(f"model.rel_buckets must be >= 4 and rel_max_distance > rel_buckets / 4, got "
+                              f"{self.rel_buckets} and {self.rel_max_distance}")
         if self.rel_bias_locality < 0:
             raise ConfigError(f"model.rel_bias_locality must be >= 0, got {self.rel_bias_locality}")
         if self.hidden_size % self.num_heads:
@@ -145,6 +153,9 @@ class AuxConfig:
             raise ConfigError("aux.num_layers, aux.steps and aux.batch_size must be >= 1")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"aux.mask_prob must be in (0, 1), got {self.mask_prob}")
+        if not (math.isfinite(self.lr) and self.lr > 0) or self.warmup_steps < 0:
+            raise ConfigError(f"aux.lr must be a finite number > 0 and aux.warmup_steps >= 0, got {self.lr} and "
+                              f"{self.warmup_steps}")
 
 
 DISTRIBUTIONS = ("aux", "uniform", "term_frequency", "smoothed_one_hot", "uniform_to_soh", "tf_to_soh")
@@ -201,8 +212,9 @@ class GenerateConfig:
     def __post_init__(self):
         if self.epochs < 0:
             raise ConfigError(f"generate.epochs must be >= 0, got {self.epochs}")
-        if self.rows_per_epoch < 0 or self.rows_per_shard < 1 or self.batch_tokens < 1 or self.rows_per_row_group < 0:
-            raise ConfigError("generate.rows_per_epoch >= 0, rows_per_shard >= 1, batch_tokens >= 1, rows_per_row_group >= 0")
+        for key, least in (("rows_per_epoch", 0), ("rows_per_shard", 1), ("batch_tokens", 1), ("rows_per_row_group", 0)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"generate.{key} must be >= {least}, got {getattr(self, key)}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"generate.mask_prob must be in (0, 1), got {self.mask_prob}")
         if not (1.0 <= self.t0 < math.inf and 0.0 < self.tau < math.inf):
@@ -311,6 +323,17 @@ class TrainConfig:
     def __post_init__(self):
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f"train.compile must be 'auto', 'on' or 'off', got {self.compile!r}")
+        positive = ("lr", "eps", "clip_norm", "rel_bias_lr_scale", "embed_lr_scale", "electra_lambda")
+        for key in positive:  # `not > 0` also refuses NaN
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) > 0):
+                raise ConfigError(f"train.{key} must be a finite number > 0, got {getattr(self, key)}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        for key in ("warmup_steps", "max_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {self.objective!r}")
         if self.batch_size < 1 or self.micro_batch < 0:
@@ -417,7 +440,7 @@ class RunConfig:
 def build_config(cls, data: dict, where: str = ""):
     """Build dataclass `cls` from `data`, refusing unknown keys and wrong types."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'manifest'} must be a table, got {type(data).__name__}")
+        raise ConfigError(f"{where.rstrip('.') or 'manifest'} must be a table, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -448,6 +471,8 @@ def _coerce(value, hint, key):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_coerce(v, item, key) for v in value]
     if not isinstance(value, origin) or (origin is int and isinstance(value, bool)):
+        if origin is str:  # a TOML string is quoted: `--set train.compile=true` reads a boolean
+            raise ConfigError(f"{key} must be a string (quoted in TOML), got {value!r}")
         raise ConfigError(f"{key} must be {origin.__name__}, got {value!r}")
     return value
 

@@ -31,6 +31,35 @@ def test_wrong_type_and_bad_values_are_errors():
         config_from_dict({"model": {"hidden_size": 100, "num_heads": 3}})
 
 
+@pytest.mark.parametrize("section, key, value, message", [
+    ("model", "num_heads", 0, "model.num_heads must be >= 1, got 0"),  # was a ZeroDivisionError
+    ("model", "hidden_size", -4, "model.hidden_size must be >= 1"),
+    ("model", "num_layers", 0, "model.num_layers must be >= 1"),  # was an embeddings-only model, trained
+    ("model", "rel_buckets", 2, "model.rel_buckets must be >= 4"),
+    ("model", "rel_max_distance", 2, "rel_max_distance > rel_buckets / 4, got 32 and 2"),  # log(1) = 0 in the buckets
+    ("train", "lr", -1.0, "train.lr must be a finite number > 0, got -1.0"),  # was torch's error after loading data
+    ("train", "lr", float("nan"), "train.lr must be a finite number > 0, got nan"),
+    ("train", "clip_norm", 0.0, "train.clip_norm must be"),
+    ("train", "weight_decay", -0.1, "train.weight_decay must be a finite number >= 0"),
+    ("train", "max_steps", -3, "train.max_steps must be >= 0, got -3"),  # was a run of -3 steps that exited 0
+    ("train", "warmup_steps", -1, "train.warmup_steps must be >= 0"),
+    ("train", "max_nonfinite_steps", 0, "train.max_nonfinite_steps must be >= 1"),
+    ("train", "compile", True, r"train.compile must be a string \(quoted in TOML\), got True"),
+    ("aux", "lr", 0.0, "aux.lr must be a finite number > 0"),
+    ("aux", "warmup_steps", -2, "aux.warmup_steps >= 0"),
+    ("generate", "rows_per_shard", 0, "generate.rows_per_shard must be >= 1, got 0"),
+    ("generate", "batch_tokens", 0, "generate.batch_tokens must be >= 1, got 0"),
+])
+def test_out_of_range_values_are_errors_naming_key_and_value(section, key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({section: {key: value}})
+
+
+def test_a_table_given_a_value_is_an_error_naming_the_table():
+    with pytest.raises(ConfigError, match=r"^train must be a table, got 1$"):
+        config_from_dict({"train": 1})
+
+
 def test_missing_manifest_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_manifest(tmp_path / "nope.toml")
