@@ -38,6 +38,15 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     if corpus["train"]["rows"] == 0 or corpus["valid"]["rows"] == 0:
         raise CorpusError(f"corpus {corpus_dir} is empty (train {corpus['train']['rows']} rows, "
                           f"valid {corpus['valid']['rows']} rows)")
+    # what the trainer of this manifest would refuse in the shards, refused before they are paid for
+    if corpus["max_seq_len"] != config.corpus.max_seq_len:
+        raise IncompatibleInputs(f"corpus {corpus_dir} has sequence length {corpus['max_seq_len']} but the manifest "
+                                 f"config has corpus.max_seq_len = {config.corpus.max_seq_len}; the trainer would "
+                                 f"refuse these shards (build the corpus for this manifest, or use its setting)")
+    if not config.aux.source and corpus["vocab_size"] != config.tokenizer.vocab_size:  # hf: its tokenizer's size
+        raise IncompatibleInputs(f"corpus {corpus_dir} has vocabulary {corpus['vocab_size']} but the manifest config "
+                                 f"has tokenizer.vocab_size = {config.tokenizer.vocab_size}; the trainer would refuse "
+                                 f"these shards (build the corpus for this manifest, or use its setting)")
     for split in ("train", "valid"):
         SplitRows(corpus_dir, split)  # the memory-mapped rows the actors read: present, right size
     if needs_term_counts(config.generate.distribution, config.generate.augmentation):

@@ -131,3 +131,20 @@ def test_finetune_on_a_file_that_is_no_checkpoint_ends_with_one_line(tmp_path, c
     assert finetune_main(["--checkpoint", str(junk), "--task", str(tmp_path / "task")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and f"{junk} is not a checkpoint" in err, err
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("corpus.max_seq_len", 64, "has sequence length 32 but the manifest config has corpus.max_seq_len = 64"),
+    ("tokenizer.vocab_size", 400, "has vocabulary 320 but the manifest config has tokenizer.vocab_size = 400"),
+])
+def test_the_generator_refuses_a_corpus_the_trainer_would_refuse_before_any_work(built, tmp_path, key, value,
+                                                                                  message):
+    """Shards made from a corpus of another length or vocabulary than the manifest's: the trainer of that
+    manifest refuses them, so the generator refuses first, before a shard is paid for."""
+    import dataclasses
+    from generate.generator import check_inputs
+    section, name = key.split(".")
+    config = dataclasses.replace(built, **{section: dataclasses.replace(getattr(built, section), **{name: value})})
+    with pytest.raises(IncompatibleInputs, match=f"corpus {built.corpus_dir} {message}"):
+        check_inputs(config, built.corpus_dir, built.aux_dir / AUX_FILE, tmp_path / "epochs", force=False)
+    assert not (tmp_path / "epochs").exists()
