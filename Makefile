@@ -22,8 +22,11 @@ BENCH_VOCAB ?= paper
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# Default work folder of the manifest (work_dir = "..."), for the file targets below.
-MANIFEST_WORK := $(shell sed -n 's/^work_dir *= *"\(.*\)"/\1/p' $(MANIFEST) 2>/dev/null)
+# Default work folder of the manifest (its work_dir, through `extends`), for the file targets below.
+MANIFEST_WORK := $(shell python3 common/work_dir.py $(MANIFEST) 2>/dev/null)
+ifeq ($(MANIFEST_WORK),)
+$(error MANIFEST=$(MANIFEST) does not exist or does not read as TOML (python3 >= 3.11 reads it))
+endif
 # Your own corpus (CORPUS=...) gets a work folder of its own for everything made from it (corpus, aux model,
 # shards, runs), so switching corpora back and forth reuses what each one built.
 CORPUS_ID := $(if $(CORPUS),$(notdir $(abspath $(CORPUS)))-$(shell printf '%s' '$(abspath $(CORPUS))' | sha256sum | cut -c1-8))
@@ -39,9 +42,10 @@ SWEEP_DIR := $(if $(SWEEP),$(SWEEP),$(WORK)/sweeps/default)
 .PHONY: setup corpus aux generate-epochs train sweep reproduce test test-fast bench bench-aux bench-scale bench-corpus bench-generate bench-train bench-efficiency bench-flops bench-gpu task finetune finetune-floor export plots ablations clean help
 
 help:
-	@echo "make train | make test | make corpus | make aux | make generate-epochs | make sweep | make finetune | make export | make reproduce"
-	@echo "make plots | make ablations | make bench | make bench-corpus | make bench-aux | make bench-scale | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu | make clean"
-	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) TASK=$(TASK) FT_ARGS=$(FT_ARGS) EXPORT=$(EXPORT) BUDGET=$(BUDGET)"
+	@echo "make train | make test | make test-fast | make setup | make corpus | make aux | make generate-epochs | make sweep"
+	@echo "make task | make finetune | make finetune-floor | make export | make reproduce | make plots | make ablations | make clean"
+	@echo "make bench | make bench-corpus | make bench-aux | make bench-scale | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu"
+	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) AUX=$(AUX) TASK=$(TASK) FT_ARGS=$(FT_ARGS) EXPORT=$(EXPORT) BUDGET=$(BUDGET)"
 
 # A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
 $(STAMP): pyproject.toml
@@ -105,7 +109,8 @@ ablations: setup
 task: setup
 	$(PY) -m finetune.rotten_tomatoes --out work/tasks/rotten_tomatoes
 
-finetune: train
+# With RUN= given, that run as it is (never trained further here); without it, the default chain's run.
+finetune: $(if $(RUN),setup,train)
 	$(PY) -m finetune --checkpoint $(RUN_DIR) --task $(TASK) $(FT_ARGS)
 
 finetune-floor: setup

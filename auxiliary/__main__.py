@@ -9,7 +9,7 @@ import sys
 
 from auxiliary.mlm import AuxRunError, aux_is_current, train_aux, use_hf_aux
 from common.checkpoint import AUX_FILE, AUX_META
-from common.config import ConfigError, add_set_argument, load_manifest
+from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.corpus import local_corpus
 from common.sources import CorpusError
 from common.storage import cache_folder, is_remote, location
@@ -17,13 +17,15 @@ from common.storage import cache_folder, is_remote, location
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m auxiliary", description="Train the auxiliary MLM.")
-    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_manifest_argument(parser)
     add_set_argument(parser)
     parser.add_argument("--corpus", default=None, help="corpus folder (default: WORK_DIR/corpus)")
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/aux)")
     parser.add_argument("--force", action="store_true", help="retrain from step 0 even if aux.pt or a run exists")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (devices) to train on, under torchrun (default 1)")
     args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
         config = load_manifest(args.manifest, args.sets)
         corpus = location(args.corpus) if args.corpus else config.corpus_dir

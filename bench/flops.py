@@ -285,7 +285,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.flops", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.flops", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="write the table as a flat JSON object here")
     parser.add_argument("--md", default=None, help="write a Markdown summary here")
     args = parser.parse_args(argv)

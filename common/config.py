@@ -497,7 +497,9 @@ def read_toml(path: str | Path, chain: tuple = ()) -> dict:
     file and overrides it key by key, table by table."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"manifest {path} does not exist" + (f" (extended by {chain[-1]})" if chain else ""))
+        raise ConfigError(f"manifest {path} does not exist" + (f" (extended by {chain[-1]})" if chain else
+                          " (relative to the current folder: run from the repository, or give its path)"
+                          if not path.is_absolute() else ""))
     if path.resolve() in chain:
         raise ConfigError(f"manifest {path} extends itself through {' -> '.join(map(str, chain))}")
     with path.open("rb") as f:
@@ -537,6 +539,11 @@ def apply_sets(data: dict, sets=()) -> dict:
                 raise ConfigError(f"--set {assignment!r}: {k} is not a table")
         node[keys[-1]] = value
     return data
+
+
+def add_manifest_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--manifest", default="manifests/tiny.toml",
+                        help="the run manifest, TOML (default: %(default)s, the embedded default)")
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:

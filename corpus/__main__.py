@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from common.config import ConfigError, add_set_argument, load_manifest
+from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.io import DamagedFile, FolderLocked
 from common.corpus import CORPUS_META
 from common.sources import CorpusError
@@ -19,7 +19,7 @@ from corpus.build import build_corpus, corpus_is_current
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n")[0])
-    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_manifest_argument(parser)
     add_set_argument(parser)
     parser.add_argument("--source", default=None,
                         help="override [corpus] source: a file or folder of .txt(.gz), .jsonl(.gz), .parquet")

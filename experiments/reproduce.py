@@ -391,7 +391,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__.split("\n\n")[0])
     parser.add_argument("--manifest", default="manifests/reproduce.toml")
     parser.add_argument("--out", default=None, help="output folder (default: the manifest's work_dir)")
     parser.add_argument("--budget", type=float, default=None, help="override [reproduce] budget_s (seconds per method)")

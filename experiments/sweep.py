@@ -21,7 +21,8 @@ from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs
 from common.storage import location
-from common.config import ConfigError, RunConfig, config_from_dict, config_to_dict, dump_toml, load_manifest
+from common.config import (ConfigError, RunConfig, add_manifest_argument, config_from_dict, config_to_dict, dump_toml,
+                           load_manifest)
 from common.io import atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
 
@@ -97,7 +98,7 @@ def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=prin
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n")[0])
-    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_manifest_argument(parser)
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
     parser.add_argument("--out", default=None, help="sweep folder (default: WORK_DIR/sweeps/NAME)")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per run")

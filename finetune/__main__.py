@@ -20,7 +20,7 @@ from finetune.glue import TaskError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m finetune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None, help="trainer checkpoint (step-*.pt) or run folder")
     parser.add_argument("--init", default="pretrained", choices=("pretrained", "none"),
                         help="none: a random model of the same shape (the no-pre-training floor)")

@@ -11,7 +11,7 @@ import os
 import sys
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs
-from common.config import ConfigError, add_set_argument, load_manifest
+from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.io import DamagedFile, FolderLocked
 from common.sources import CorpusError
 from common.storage import location
@@ -20,8 +20,8 @@ from generate.generator import OutputConflict, generate
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m generate", description=__doc__.split("\n")[0])
-    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    parser = argparse.ArgumentParser(prog="python -m generate", description=__doc__.split("\n\n")[0])
+    add_manifest_argument(parser)
     add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/epochs)")
     parser.add_argument("--workers", type=int, default=None, help="actors (default: one per GPU, else per core)")

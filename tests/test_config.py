@@ -91,3 +91,24 @@ def test_a_manifest_extends_another_table_by_table(tmp_path):
     (tmp_path / "b.toml").write_text('extends = "a.toml"\n')
     with pytest.raises(ConfigError, match="extends itself"):
         load_manifest(tmp_path / "a.toml")
+
+
+def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path):
+    """`make` finds the work folder with the standard library before the venv exists (common/work_dir.py):
+    for every checked-in manifest and one that only extends another, what load_manifest resolves."""
+    import subprocess
+    import sys
+    mine = tmp_path / "mine.toml"
+    mine.write_text(f'extends = "{ROOT / "manifests" / "tiny.toml"}"\n[train]\nlr = 2e-3\n')
+    manifests = [*sorted((ROOT / "manifests").rglob("*.toml")), mine]
+    assert len(manifests) > 5
+    for path in manifests:
+        out = subprocess.run([sys.executable, str(ROOT / "common" / "work_dir.py"), str(path)], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == load_manifest(path).work_dir, path
+    bad = tmp_path / "bad.toml"
+    bad.write_text("work_dir = [")
+    for path in (bad, tmp_path / "missing.toml"):
+        result = subprocess.run([sys.executable, str(ROOT / "common" / "work_dir.py"), str(path)], capture_output=True,
+                                text=True)
+        assert (result.returncode, result.stdout) == (1, "")

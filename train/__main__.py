@@ -12,7 +12,7 @@ import sys
 import time
 
 from common.checkpoint import IncompatibleInputs
-from common.config import ConfigError, add_set_argument
+from common.config import ConfigError, add_manifest_argument, add_set_argument
 from common.io import DamagedFile, FolderLocked
 from common.sources import CorpusError
 from train.data import DataError
@@ -52,7 +52,7 @@ def die_with_parent() -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun -m train", description="Fast-ELECTRA RTD trainer on shards.")
-    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_manifest_argument(parser)
     add_set_argument(parser)
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
     parser.add_argument("--out", default=None, help="run folder (default: WORK_DIR/runs/default)")
