@@ -148,3 +148,21 @@ def test_the_generator_refuses_a_corpus_the_trainer_would_refuse_before_any_work
     with pytest.raises(IncompatibleInputs, match=f"corpus {built.corpus_dir} {message}"):
         check_inputs(config, built.corpus_dir, built.aux_dir / AUX_FILE, tmp_path / "epochs", force=False)
     assert not (tmp_path / "epochs").exists()
+
+
+@pytest.mark.slow  # the session's generated folder (Ray)
+def test_the_trainer_says_when_the_shards_were_made_with_other_generate_settings(generated):
+    """Shards are reused across runs, so other [generate] settings than the manifest's are not an error; the
+    trainer says which differ (its resolved_manifest.toml records the manifest's), and nothing for a match."""
+    import dataclasses
+    from common.config import load_manifest
+    from train.data import open_data
+    manifest, data, _ = generated
+    config = load_manifest(manifest)
+    said = []
+    open_data(data, config, log=said.append)
+    assert said == []
+    other = dataclasses.replace(config, generate=dataclasses.replace(config.generate, rows_per_epoch=64, t0=3.0))
+    open_data(data, other, log=said.append)
+    assert len(said) == 1 and f"the shards in {data} were made with other settings" in said[0], said
+    assert "generate.rows_per_epoch 0, here 64; generate.t0 2.0, here 3.0" in said[0], said
