@@ -106,7 +106,7 @@ def measure(manifest: str, seq_len: int, batch: int, micro: int, steps: int = 2,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.aux", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.aux", description=__doc__.split("\n\n")[0])
     parser.add_argument("--manifest", default="manifests/base.toml")
     parser.add_argument("--seq-len", type=int, default=64, help="row length (short rows keep it to minutes)")
     parser.add_argument("--micro", type=int, default=4, help="rows per micro-batch")

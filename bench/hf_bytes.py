@@ -143,7 +143,7 @@ def column_bytes(epochs_dir: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hf_bytes", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.hf_bytes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     parser.add_argument("--vocab", type=int, default=30000, help="WordPiece entries, specials and unused included")
     parser.add_argument("--unused", type=int, default=994, help="[unusedN] entries (bert-base-uncased: 994)")

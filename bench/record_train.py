@@ -24,7 +24,7 @@ RUN = "work/tiny/runs/default"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.record_train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.record_train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--clone", required=True, help="the fresh clone `make train` ran in")
     parser.add_argument("--real", required=True, help="the wall time `time make train` printed, e.g. 11m52s")
     parser.add_argument("--append", action="store_true", help="add to the runs already recorded")

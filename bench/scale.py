@@ -228,7 +228,7 @@ def corpus_memory(tmp: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--parts", default="driver,read,start,corpus,preflight",
                         help="which figures to measure (the others are kept from the last scale.json)")

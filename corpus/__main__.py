@@ -18,7 +18,7 @@ from corpus.build import build_corpus, corpus_is_current
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n\n")[0])
     add_manifest_argument(parser)
     add_set_argument(parser)
     parser.add_argument("--source", default=None,

@@ -97,7 +97,7 @@ def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=prin
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n\n")[0])
     add_manifest_argument(parser)
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
     parser.add_argument("--out", default=None, help="sweep folder (default: WORK_DIR/sweeps/NAME)")

@@ -37,7 +37,7 @@ def read_task_split(path: Path) -> tuple[list[str], list[int]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.finetune_hf", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m export.finetune_hf", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="an export (make export)")
     parser.add_argument("--task", default="work/tasks/rotten_tomatoes", help="folder with train.tsv and dev.tsv")
     parser.add_argument("--out", required=True, help="where the fine-tuned model and the trainer's files go")

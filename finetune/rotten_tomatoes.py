@@ -146,7 +146,7 @@ def write_pretraining_corpus(task_dir: Path, out_path: Path, download_dir: str |
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.rotten_tomatoes", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m finetune.rotten_tomatoes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="work/tasks/rotten_tomatoes", help="task folder to write")
     args = parser.parse_args(argv)
     try:

@@ -127,7 +127,7 @@ def plot_distributions(example: dict, path: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m generate.plots", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m generate.plots", description=__doc__.split("\n\n")[0])
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/plots)")
     parser.add_argument("--corpus", default=None, help="corpus folder (default: the manifest's)")
