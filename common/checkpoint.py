@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import ModelConfig
-from common.io import atomic_path, atomic_write_json, parse_json, read_json, sha256_file
+from common.io import DamagedFile, atomic_path, atomic_write_json, parse_json, read_json, sha256_file
 from common.model import MaskedLM
 from common.tokenizer import Reserved
 
@@ -28,19 +28,25 @@ class IncompatibleInputs(ValueError):
 
 def safe_load(path: str | Path, map_location="cpu") -> dict:
     """torch.load with `weights_only=True`: tensors and plain types only, so a file received from someone
-    else cannot run code on load. Anything else is refused with a message naming the file."""
+    else cannot run code on load (refused: `IncompatibleInputs`). A file torch cannot read (cut short, another
+    format) is a `DamagedFile` (`latest_checkpoint` skips it). Both messages name the file."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Unsupported global" in str(e):
+        # "Unsupported global: GLOBAL builtins.open ...", "Trying to load unsupported GLOBAL posix.system ..."
+        if re.search("unsupported global", str(e), re.IGNORECASE):
             raise IncompatibleInputs(f"{path} holds objects other than tensors and plain types (pickled code?); "
                                      f"refusing to load it: loading could run code. Use a file written by this "
-                                     f"project ({str(e).splitlines()[0][:200]})") from None
-        raise IncompatibleInputs(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
-                                 f"format: torch.load found no tensors and plain types in it)") from None
+                                     f"project ({first_line(e)[:200]})") from None
+        raise DamagedFile(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
+                          f"format: torch.load found no tensors and plain types in it)") from None
     except (KeyError, RuntimeError, EOFError, ValueError) as e:  # torch.load on bytes it cannot read
-        raise IncompatibleInputs(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
-                                 f"format: {type(e).__name__} {str(e).splitlines()[0][:120]})") from None
+        raise DamagedFile(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
+                          f"format: {type(e).__name__} {first_line(e)[:120]})") from None
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
 
 
 def save_aux(model: MaskedLM, model_cfg: ModelConfig, num_layers: int, vocab_size: int,

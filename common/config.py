@@ -282,7 +282,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     """Decoupled weight decay on matrices (not on biases and LayerNorm)."""
     clip_norm: float = 2.0
-    """Gradient clipping by global norm."""
+    """Gradient clipping by global norm (inf: none)."""
     rel_bias_lr_scale: float = 1.0
     """Learning-rate multiplier of the relative-position bias table (1 = paper; reproduce.toml: 100)."""
     embed_lr_scale: float = 1.0
@@ -323,12 +323,14 @@ class TrainConfig:
     def __post_init__(self):
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f"train.compile must be 'auto', 'on' or 'off', got {self.compile!r}")
-        positive = ("lr", "eps", "clip_norm", "rel_bias_lr_scale", "embed_lr_scale", "electra_lambda")
-        for key in positive:  # `not > 0` also refuses NaN
+        for key in ("lr", "eps", "rel_bias_lr_scale", "embed_lr_scale"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) > 0):
                 raise ConfigError(f"train.{key} must be a finite number > 0, got {getattr(self, key)}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        for key in ("weight_decay", "electra_lambda"):  # electra_lambda 0: the generator's MLM alone
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                raise ConfigError(f"train.{key} must be a finite number >= 0, got {getattr(self, key)}")
+        if not self.clip_norm > 0:  # inf: no clipping; `not > 0` also refuses NaN
+            raise ConfigError(f"train.clip_norm must be > 0 (inf: no clipping), got {self.clip_norm}")
         for key in ("warmup_steps", "max_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
@@ -541,9 +543,8 @@ def apply_sets(data: dict, sets=()) -> dict:
     return data
 
 
-def add_manifest_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--manifest", default="manifests/tiny.toml",
-                        help="the run manifest, TOML (default: %(default)s, the embedded default)")
+def add_manifest_argument(parser: argparse.ArgumentParser, default: str = "manifests/tiny.toml") -> None:
+    parser.add_argument("--manifest", default=default, help="the run manifest, TOML (default: %(default)s)")
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:

@@ -47,8 +47,9 @@ import numpy as np
 import torch
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs, list_checkpoints
-from common.config import ConfigError, RunConfig, config_from_dict, config_to_dict, dump_toml, load_manifest
-from common.io import atomic_write_json, atomic_write_text
+from common.config import (ConfigError, RunConfig, add_manifest_argument, config_from_dict, config_to_dict, dump_toml,
+                           load_manifest)
+from common.io import DamagedFile, atomic_write_json, atomic_write_text
 from common.sources import CorpusError
 from finetune.finetuner import finetune, load_backbone
 from finetune.config import dump_toml as dump_finetune_toml, resolve_config
@@ -392,7 +393,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--manifest", default="manifests/reproduce.toml")
+    add_manifest_argument(parser, "manifests/reproduce.toml")
     parser.add_argument("--out", default=None, help="output folder (default: the manifest's work_dir)")
     parser.add_argument("--budget", type=float, default=None, help="override [reproduce] budget_s (seconds per method)")
     parser.add_argument("--tasks-dir", default="work/tasks", help="where the built-in task is prepared")
@@ -401,7 +402,7 @@ def main(argv=None) -> int:
         manifest = Path(args.manifest)
         out = Path(args.out) if args.out else Path(load_manifest(manifest).work_dir)
         reproduce(manifest, out, Path(args.tasks_dir), args.budget)
-    except (ConfigError, CorpusError, TaskError, IncompatibleInputs, RuntimeError) as e:
+    except (ConfigError, CorpusError, TaskError, IncompatibleInputs, RuntimeError, DamagedFile) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -75,9 +75,13 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
             rmtree(out_dir)
     elif out_dir.exists() and any(out_dir.iterdir()):
         # --force replaces shard folders only: a mistyped --out (a corpus, a home folder) is never deleted
-        if not (force and any((out_dir / name).is_file() for name in (MANIFEST_FILE, PROGRESS_FILE))):
+        shards = any((out_dir / name).is_file() for name in (MANIFEST_FILE, PROGRESS_FILE))
+        if not shards:
             raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}: not a folder of shards; use "
-                                 f"another --out{'' if force else ' (--force replaces only a folder of shards)'}")
+                                 f"another --out (--force replaces only a folder of shards)")
+        if not force:
+            raise OutputConflict(f"{out_dir} holds shards of an unknown generation (no {PLAN_FILE}); use another "
+                                 f"--out or --force to replace them")
         rmtree(out_dir)
     return {"corpus": corpus, "aux": aux, "key": key, "plan": plan}
 

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs, load_aux
-from common.config import ConfigError, load_manifest
+from common.config import ConfigError, add_manifest_argument, load_manifest
 from common.corpus import term_counts
 from common.curriculum import strength_at
 from common.distributions import (aux_log_probs, replacement_probs, smoothed_one_hot_log_probs, temperature_scaled,
                                   term_frequency_log_probs, uniform_log_probs)
-from common.io import atomic_path
+from common.io import DamagedFile, atomic_path
 from common.sources import CorpusError
 from common.tokenizer import CLS_ID, MASK_ID, SEP_ID, SPECIAL_IDS, Tokenizer
 
@@ -128,7 +128,7 @@ def plot_distributions(example: dict, path: Path) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m generate.plots", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--manifest", default="manifests/tiny.toml")
+    add_manifest_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/plots)")
     parser.add_argument("--corpus", default=None, help="corpus folder (default: the manifest's)")
     parser.add_argument("--aux", default=None, help="auxiliary model (default: the manifest's)")
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         example = example_distributions(model, Tokenizer(corpus / "tokenizer.model"), term_counts(corpus),
                                         alpha=config.generate.soh_alpha)
         paths = [plot_schedules(out / "schedules.png"), plot_distributions(example, out / "replaced_token_distributions.png")]
-    except (ConfigError, CorpusError, IncompatibleInputs, FileNotFoundError) as e:
+    except (ConfigError, CorpusError, IncompatibleInputs, FileNotFoundError, DamagedFile) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("plots: " + ", ".join(map(str, paths)))

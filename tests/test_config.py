@@ -39,7 +39,9 @@ def test_wrong_type_and_bad_values_are_errors():
     ("model", "rel_max_distance", 2, "rel_max_distance > rel_buckets / 4, got 32 and 2"),  # log(1) = 0 in the buckets
     ("train", "lr", -1.0, "train.lr must be a finite number > 0, got -1.0"),  # was torch's error after loading data
     ("train", "lr", float("nan"), "train.lr must be a finite number > 0, got nan"),
-    ("train", "clip_norm", 0.0, "train.clip_norm must be"),
+    ("train", "clip_norm", 0.0, r"train.clip_norm must be > 0 \(inf: no clipping\), got 0.0"),
+    ("train", "clip_norm", float("nan"), "train.clip_norm must be > 0"),
+    ("train", "electra_lambda", -1.0, "train.electra_lambda must be a finite number >= 0"),
     ("train", "weight_decay", -0.1, "train.weight_decay must be a finite number >= 0"),
     ("train", "max_steps", -3, "train.max_steps must be >= 0, got -3"),  # was a run of -3 steps that exited 0
     ("train", "warmup_steps", -1, "train.warmup_steps must be >= 0"),
@@ -53,6 +55,13 @@ def test_wrong_type_and_bad_values_are_errors():
 def test_out_of_range_values_are_errors_naming_key_and_value(section, key, value, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict({section: {key: value}})
+
+
+def test_the_edges_of_the_ranges_still_load():
+    config = config_from_dict({"train": {"clip_norm": float("inf"), "electra_lambda": 0.0, "weight_decay": 0.0,
+                                         "warmup_steps": 0, "max_steps": 0}, "aux": {"warmup_steps": 0},
+                               "model": {"rel_buckets": 4, "rel_max_distance": 2}})
+    assert config.train.clip_norm == float("inf") and config.model.rel_buckets == 4
 
 
 def test_a_table_given_a_value_is_an_error_naming_the_table():
@@ -112,3 +121,10 @@ def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path
         result = subprocess.run([sys.executable, str(ROOT / "common" / "work_dir.py"), str(path)], capture_output=True,
                                 text=True)
         assert (result.returncode, result.stdout) == (1, "")
+    # make itself (a dry run): the extending manifest's folders, and a manifest that does not read stops it
+    dry = subprocess.run(["make", "-n", "train", f"MANIFEST={mine}"], cwd=ROOT, capture_output=True, text=True)
+    assert dry.returncode == 0 and "--out work/tiny/runs/default" in dry.stdout, dry.stdout + dry.stderr
+    for path in (bad, tmp_path / "missing.toml"):
+        dry = subprocess.run(["make", "-n", "clean", f"MANIFEST={path}"], cwd=ROOT, capture_output=True, text=True)
+        assert dry.returncode != 0 and f"MANIFEST={path} does not exist or does not read as TOML" in dry.stderr
+        assert "rm -rf" not in dry.stdout

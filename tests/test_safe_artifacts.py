@@ -46,6 +46,26 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+class RunsAShellCommand:
+    """A pickle that runs `touch MARKER` when loaded (os.system: a module torch's loader blocks by name)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_would_run_a_shell_command_is_refused_as_code(tmp_path):
+    marker = tmp_path / "marker"
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"step": 2, "model": {}, "extra": RunsAShellCommand(marker)}, folder / "step-00000002.pt")
+    with pytest.raises(IncompatibleInputs, match=r"step-00000002\.pt holds objects other than tensors.*pickled code"):
+        latest_checkpoint(folder)
+    assert not marker.exists()
+
+
 def test_a_plain_checkpoint_still_loads(tmp_path):
     state = {"step": 3, "model": {"w": torch.arange(4.0)}, "rng": [(torch.get_rng_state(), None)],
              "history": {"start": {"auc": 0.5}}, "config": {"train": {"betas": [0.9, 0.98]}}}

@@ -212,13 +212,14 @@ def expected_key(config: RunConfig) -> str | None:
 
 
 def generation_difference(made_with: dict, config: RunConfig, most: int = 4) -> str:
-    """What differs between the config a folder was generated with (its manifest's) and `config`, in words."""
+    """The seed and [generate] settings that differ between the config a folder was generated with (its
+    manifest's `config`) and `config`, in words ("" when none do). Not the generation key: with
+    `generate.epochs = 0` that also follows the stream's length from [train], which a sweep varies."""
     ours = config_to_dict(config)
     pairs = [("seed", made_with.get("seed"), ours["seed"])]
-    pairs += [(f"generate.{k}", v, ours["generate"].get(k)) for k, v in sorted(made_with.get("generate", {}).items())]
+    pairs += [(f"generate.{k}", v, ours["generate"].get(k)) for k, v in sorted(made_with.get("generate", {}).items())
+              if k != "tasks_in_flight"]  # scheduling only
     differ = [f"{key} {theirs!r}, here {mine!r}" for key, theirs, mine in pairs if theirs is not None and theirs != mine]
-    if not differ:
-        return "the same [generate] settings, another corpus or aux model"
     return "; ".join(differ[:most]) + (f"; {len(differ) - most} more" if len(differ) > most else "")
 
 
@@ -240,11 +241,11 @@ def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, gener
         raise DataError(f"{data_dir} holds shards of another generation (key {manifest.get('generation_key', '?')[:12]}; "
                         f"this config, corpus and aux model make {ours[:12]}): the generator will not overwrite them. "
                         f"Train on another folder (DATA=..., --data), or remove this one and run again")
-    if not follow and (ours := expected_key(config)) and manifest.get("generation_key", ours) != ours:
+    if not follow and (differ := generation_difference(manifest.get("config", {}), config)):
         # shards are meant to be reused across runs, so not an error; but the run's resolved_manifest.toml
         # records this manifest's [generate], not what made the data
         log(f"train: note: the shards in {data_dir} were made with other settings than this manifest's "
-            f"({generation_difference(manifest.get('config', {}), config)}); the run reads them as they are")
+            f"({differ}); the run reads them as they are")
     train_shards = [s for e in manifest["epochs"] for s in e["shards"]]
     first, rows = [], 0
     for shard in train_shards:  # the shards holding the first global batch
