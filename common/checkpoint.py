@@ -76,6 +76,8 @@ def read_aux_meta(path: str | Path) -> dict:
     from common.storage import location
     path = location(path)
     meta = path.with_name(AUX_META)
+    if not path.is_file() and (path / AUX_FILE).is_file():
+        raise FileNotFoundError(f"auxiliary model {path} is a folder: pass the model file in it, {path / AUX_FILE}")
     if not path.is_file():
         raise FileNotFoundError(f"auxiliary model {path} does not exist (run `make aux`)")
     if not meta.is_file():
@@ -191,5 +193,5 @@ def latest_checkpoint(folder: str | Path) -> tuple[Path, dict] | None:
         except IncompatibleInputs:
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
-            print(f"resume: ignoring unreadable checkpoint {path}: {type(e).__name__}: {e}")
+            print(f"checkpoints: ignoring unreadable checkpoint {path}: {type(e).__name__}: {e}")
     return None

@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="sweep folder (default: WORK_DIR/sweeps/NAME)")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per run")
     args = parser.parse_args(argv)
+    if args.nproc < 1:  # before any run is launched
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
         config = load_manifest(args.manifest)
         data_dir = location(args.data) if args.data else config.epochs_dir

@@ -59,7 +59,13 @@ def read_tsv(path: Path, columns: list[str]) -> tuple[list[str], list[list[str]]
     """(column names, rows) of a TSV file; `columns` names the fields of a headerless file."""
     if not path.is_file():
         raise TaskError(f"task file {path} does not exist")
-    lines = [l for l in path.read_text(encoding="utf-8").split("\n") if l.strip()]
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise TaskError(f"{path}:{line} is not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8") from None
+    lines = [l for l in text.split("\n") if l.strip()]
     lines = [l[:-1] if l.endswith("\r") else l for l in lines]
     header = list(columns) if columns else (lines.pop(0).split("\t") if lines else [])
     if not lines:

@@ -114,6 +114,17 @@ def test_a_damaged_aux_json_is_named_and_the_aux_stage_publishes_it_again(built,
     with pytest.raises(DamagedFile, match=f"{aux / AUX_META} is damaged .*no tokenizer_sha256.*`make aux`"):
         read_aux_meta(aux / AUX_FILE)
     assert not aux_is_current(built, built.corpus_dir, aux)
+    with pytest.raises(FileNotFoundError, match=f"auxiliary model {aux} is a folder: pass the model file in it, "
+                                                f"{aux / AUX_FILE}"):
+        read_aux_meta(aux)  # --aux DIR instead of DIR/aux.pt
+
+
+def test_a_sweep_with_fewer_than_one_process_per_run_launches_nothing(tmp_path, capsys):
+    from experiments.sweep import main as sweep_main
+    with pytest.raises(SystemExit) as stop:
+        sweep_main(["--nproc", "0", "--out", str(tmp_path / "sweep")])
+    assert stop.value.code == 2 and "--nproc must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.parametrize("content", [b"", b"hello", bytes(range(256)) * 8, b"PK\x03\x04" + b"\0" * 64])
@@ -135,7 +146,7 @@ def test_resume_skips_a_newest_checkpoint_cut_short_for_the_one_before(tmp_path,
     newest.write_bytes(newest.read_bytes()[:newest.stat().st_size // 2])
     path, state = latest_checkpoint(tmp_path)
     assert path.name == "step-00000001.pt" and state["step"] == 1
-    assert f"ignoring unreadable checkpoint {newest}" in capsys.readouterr().out
+    assert f"checkpoints: ignoring unreadable checkpoint {newest}" in capsys.readouterr().out
 
 
 def test_finetune_on_a_file_that_is_no_checkpoint_ends_with_one_line(tmp_path, capsys):

@@ -101,6 +101,7 @@ def test_read_split_labels_pairs_and_headerless_files(tmp_path):
     ("empty_file", "holds no examples"),
     ("header_only", "holds no examples"),
     ("short_row", "has 1 tab-separated fields"),
+    ("not_utf8", "train.tsv:3 is not UTF-8 text (byte 0xe9)"),
     ("regression_text", "not a number"),
     ("one_label", "at least 2 labels"),
 ])
@@ -120,6 +121,9 @@ def test_bad_task_files_are_clear_errors(tmp_path, case, message):
     elif case == "short_row":
         write_task(folder, good, good)
         (folder / "train.tsv").write_text("sentence\tlabel\ngood day\t1\nno label here\n")
+    elif case == "not_utf8":
+        write_task(folder, good, good)
+        (folder / "train.tsv").write_bytes(b"sentence\tlabel\ngood day\t1\ncaf\xe9\t0\n")  # Latin-1
     elif case == "regression_text":
         write_task(folder, [("a", "0.5"), ("b", "high")], good)
     elif case == "one_label":
