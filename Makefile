@@ -90,8 +90,9 @@ train: aux
 	grep '^generate: ' $(GEN_LOG) | tail -n 1; exit $$rc
 	@echo "next: make finetune (README: Fine-tuning) | make sweep (Stages) | make train CORPUS=your/texts (Your own corpus) | MANIFEST=manifests/base.toml (Scaling out)"
 
-# Only reads the shards: if $(DATA_DIR)/manifest.json exists the generator is not run at all.
-sweep: setup $(DATA_DIR)/manifest.json
+# Only reads the shards: the generator runs only for the default folder without a manifest.json. A DATA= given
+# is taken as it is (one without shards is an error: a mistyped path must not start a generation there).
+sweep: setup $(if $(DATA),,$(DATA_DIR)/manifest.json)
 	$(PY) -m experiments.sweep --manifest $(MANIFEST) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC)
 
 $(DATA_DIR)/manifest.json:

@@ -124,6 +124,10 @@ def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path
     # make itself (a dry run): the extending manifest's folders, and a manifest that does not read stops it
     dry = subprocess.run(["make", "-n", "train", f"MANIFEST={mine}"], cwd=ROOT, capture_output=True, text=True)
     assert dry.returncode == 0 and "--out work/tiny/runs/default" in dry.stdout, dry.stdout + dry.stderr
+    # a DATA= given to make sweep is read as it is: a mistyped one never starts a generation there
+    typo = tmp_path / "no-such-epochs"
+    dry = subprocess.run(["make", "-n", "sweep", f"DATA={typo}"], cwd=ROOT, capture_output=True, text=True)
+    assert dry.returncode == 0 and f"--data {typo}" in dry.stdout and "generate" not in dry.stdout, dry.stdout
     for path in (bad, tmp_path / "missing.toml"):
         dry = subprocess.run(["make", "-n", "clean", f"MANIFEST={path}"], cwd=ROOT, capture_output=True, text=True)
         assert dry.returncode != 0 and f"MANIFEST={path} does not exist or does not read as TOML" in dry.stderr
