@@ -76,9 +76,9 @@ def read_aux_meta(path: str | Path) -> dict:
     from common.storage import location
     path = location(path)
     meta = path.with_name(AUX_META)
-    if not path.is_file() and (path / AUX_FILE).is_file():
-        raise FileNotFoundError(f"auxiliary model {path} is a folder: pass the model file in it, {path / AUX_FILE}")
     if not path.is_file():
+        if (path / AUX_FILE).is_file():
+            raise FileNotFoundError(f"auxiliary model {path} is a folder: pass the model file in it, {path / AUX_FILE}")
         raise FileNotFoundError(f"auxiliary model {path} does not exist (run `make aux`)")
     if not meta.is_file():
         raise FileNotFoundError(f"auxiliary model {path} has no {AUX_META} beside it")
@@ -103,6 +103,18 @@ def local_aux(path) -> Path:
         with atomic_path(local / AUX_META) as tmp:
             Path(tmp).write_text(text)
     return local / remote.name
+
+
+def check_sizes(what: str, vocab_size: int, max_seq_len: int, config, hint: str = "") -> None:
+    """`what` ("shards in DIR have", "corpus DIR has": the trainer's data, the generator's input) fits the
+    manifest config `config`: its sequence length, and its vocabulary unless an hf: aux model brings its own
+    tokenizer (whose size the manifest does not set)."""
+    if not config.aux.source and vocab_size != config.tokenizer.vocab_size:
+        raise IncompatibleInputs(f"{what} vocabulary {vocab_size} but the manifest config has tokenizer.vocab_size = "
+                                 f"{config.tokenizer.vocab_size}{hint}")
+    if max_seq_len != config.corpus.max_seq_len:
+        raise IncompatibleInputs(f"{what} sequence length {max_seq_len} but the manifest config has "
+                                 f"corpus.max_seq_len = {config.corpus.max_seq_len}{hint}")
 
 
 def check_aux_matches_tokenizer(aux_meta: dict, aux_path, vocab_size: int, tokenizer_sha256: str, tok_path) -> None:

@@ -319,13 +319,14 @@ def verify(trained: Trained, folder: Path, transformers) -> float:
 def check_output(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"output {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"output folder {out} exists and is not empty; choose another --out or pass --force "
-                          f"to replace it")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        # --force replaces an earlier export only: a mistyped --out (a run, a home folder) is never deleted
-        raise ExportError(f"output folder {out} is not empty and holds no config.json: not a model directory, "
-                          f"which is all --force replaces; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ExportError(f"output folder {out} exists and is not empty; choose another --out or pass --force "
+                              f"to replace it")
+        if not (out / "config.json").is_file():
+            # --force replaces an earlier export only: a mistyped --out (a run, a home folder) is never deleted
+            raise ExportError(f"output folder {out} is not empty and holds no config.json: not a model directory, "
+                              f"which is all --force replaces; choose another --out")
 
 
 def check_sources_outside(trained: Trained, out: Path) -> None:

@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, local_aux, read_aux_meta
+from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, check_sizes, local_aux, read_aux_meta
 from common.config import RunConfig, config_to_dict, save_resolved
 from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
 from common.io import DamagedFile, FolderLock, atomic_write_json, read_json, remove_stale_tmp, sha256_file
@@ -38,15 +38,10 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     if corpus["train"]["rows"] == 0 or corpus["valid"]["rows"] == 0:
         raise CorpusError(f"corpus {corpus_dir} is empty (train {corpus['train']['rows']} rows, "
                           f"valid {corpus['valid']['rows']} rows)")
-    # what the trainer of this manifest would refuse in the shards, refused before they are paid for
-    if corpus["max_seq_len"] != config.corpus.max_seq_len:
-        raise IncompatibleInputs(f"corpus {corpus_dir} has sequence length {corpus['max_seq_len']} but the manifest "
-                                 f"config has corpus.max_seq_len = {config.corpus.max_seq_len}; the trainer would "
-                                 f"refuse these shards (build the corpus for this manifest, or use its setting)")
-    if not config.aux.source and corpus["vocab_size"] != config.tokenizer.vocab_size:  # hf: its tokenizer's size
-        raise IncompatibleInputs(f"corpus {corpus_dir} has vocabulary {corpus['vocab_size']} but the manifest config "
-                                 f"has tokenizer.vocab_size = {config.tokenizer.vocab_size}; the trainer would refuse "
-                                 f"these shards (build the corpus for this manifest, or use its setting)")
+    # what the trainer of this manifest would refuse in the shards (train.data.check_data), refused before they
+    # are paid for
+    check_sizes(f"corpus {corpus_dir} has", corpus["vocab_size"], corpus["max_seq_len"], config,
+                "; the trainer would refuse these shards (build the corpus for this manifest, or use its setting)")
     for split in ("train", "valid"):
         SplitRows(corpus_dir, split)  # the memory-mapped rows the actors read: present, right size
     if needs_term_counts(config.generate.distribution, config.generate.augmentation):
@@ -210,11 +205,12 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     if manifest_path.is_file() and not todo:
         try:
             manifest = read_json(manifest_path, ("epochs", "valid"))
+        except DamagedFile as e:  # the shards' records hold all it says
+            log(f"generate: {e}; writing it again from the shards' records")
+        else:
             how = "every shard hashed" if verify else f"sizes and times as when last hashed; --verify hashes every shard"
             log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards; {how})")
             return manifest
-        except DamagedFile as e:  # the shards' records hold all it says
-            log(f"generate: {e}; writing it again from the shards' records")
     if todo:
         # Shards of one folder come from one kind of device: the aux model runs in bf16 autocast on GPU and
         # fp32 on CPU, so finishing a GPU folder on CPU (or the reverse) would make rows depend on where each

@@ -115,6 +115,10 @@ def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path
         out = subprocess.run([sys.executable, str(ROOT / "common" / "work_dir.py"), str(path)], capture_output=True,
                              text=True, check=True).stdout.strip()
         assert out == load_manifest(path).work_dir, path
+    probe = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import common.config; "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'numpy', 'pyarrow', 'torch'}))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"  # the system's python3 runs it before the venv exists
     bad = tmp_path / "bad.toml"
     bad.write_text("work_dir = [")
     for path in (bad, tmp_path / "missing.toml"):

@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from common.batching import attention_mask, pad_rows
-from common.checkpoint import IncompatibleInputs
+from common.checkpoint import IncompatibleInputs, check_sizes
 from common.config import RunConfig, config_to_dict
 from common.corpus import CORPUS_META, REBUILD
 from common.io import FolderLock, _alive, read_json, read_record, sha256_file
@@ -56,12 +56,7 @@ def load_data_manifest(data_dir, config: RunConfig) -> tuple[dict, str]:
 
 def check_data(manifest: dict, data_dir, config: RunConfig) -> None:
     """The data (a manifest, or the plan of a folder being generated) fits the trainer's config."""
-    if not config.aux.source and manifest["vocab_size"] != config.tokenizer.vocab_size:  # hf: its tokenizer's size
-        raise IncompatibleInputs(f"shards in {data_dir} have vocabulary {manifest['vocab_size']} but the manifest "
-                                 f"config has tokenizer.vocab_size = {config.tokenizer.vocab_size}")
-    if manifest["max_seq_len"] != config.corpus.max_seq_len:
-        raise IncompatibleInputs(f"shards in {data_dir} have sequence length {manifest['max_seq_len']} but the "
-                                 f"manifest config has corpus.max_seq_len = {config.corpus.max_seq_len}")
+    check_sizes(f"shards in {data_dir} have", manifest["vocab_size"], manifest["max_seq_len"], config)
     corpus_meta = location(config.corpus_dir) / CORPUS_META  # the corpus whose tokenizer reads this run's model later
     if corpus_meta.is_file() and manifest.get("tokenizer_sha256"):
         ours = read_json(corpus_meta, (), REBUILD).get("tokenizer_sha256")
