@@ -3,6 +3,7 @@ row ranges as an uninterrupted run, bitwise on CPU (docs/design.md, trainer cont
 when killed right at an epoch boundary, and for a 2-node torchrun on loopback."""
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -108,22 +109,40 @@ def test_a_checkpoint_from_before_the_fused_step_resumes_fused_and_exactly(bound
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999, where every bind to port 0 in the other test
+    processes lands) and above Ray's worker ports (10002-19999): the port is free when checked and released
+    before torchrun binds it, so a range nobody else draws from keeps that window safe."""
+    draw = random.Random()
+    for _ in range(200):
+        port = draw.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
-def _two_nodes(manifest, data, run, env, resume=False):
-    """`torchrun --nnodes 2` twice on this machine (node ranks 0 and 1, loopback rendezvous)."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                               "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
-                              + (["--resume"] if resume else []),
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    return [p.returncode for p in procs], outputs[0]
+def _two_nodes(manifest, data, run, env, resume=False, attempts=3):
+    """`torchrun --nnodes 2` twice on this machine (node ranks 0 and 1, loopback rendezvous). Node 0 hosts the
+    rendezvous store: if its port was taken meanwhile, both go down before any trainer starts and are run again
+    on another port."""
+    for attempt in range(attempts):
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                   "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                                   "--master_port", str(port), "-m", "train", "--manifest", str(manifest),
+                                   "--data", str(data), "--out", str(run)] + (["--resume"] if resume else []),
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for node in (0, 1)]
+        first = procs[0].communicate(timeout=300)[0]
+        if "address already in use" in first.lower() and attempt + 1 < attempts:
+            procs[1].kill()
+            procs[1].communicate()
+            continue
+        procs[1].communicate(timeout=300)
+        return [p.returncode for p in procs], first
 
 
 def test_two_nodes_on_loopback_train_and_resume(boundary_setup, tmp_path, gloo_env):
