@@ -104,8 +104,13 @@ def append_record(path, record: dict, key: str | None = None) -> None:
     if is_remote(path):
         (record_objects(path) / f"{record[key]}.json").write_text(line)
         return
-    with open(path, "a") as f:
-        f.write(line)
+    data = line.encode()
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END):  # a line torn by a kill or a full disk ends here first: the record its own line
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                data = b"\n" + data
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

@@ -45,6 +45,11 @@ class CorpusError(ValueError):
     """The corpus source is missing, unreadable, not text, or empty."""
 
 
+class SourceUnreadable(CorpusError):
+    """A source file's read failed (the system's error, or a compressed stream cut short): unlike bad
+    content this may pass, so a build keeps its work for the rerun."""
+
+
 # --- cleaning -----------------------------------------------------------------
 
 _START = re.compile(r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.I | re.M)
@@ -349,7 +354,17 @@ def _read_parquet(piece: Piece, text_column: str) -> Iterator[Document]:
 
 
 def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:
-    """The piece's documents; a bad one (not text, malformed) comes as the CorpusError naming it."""
+    """The piece's documents; a bad one (not text, malformed) comes as the CorpusError naming it. A read
+    that fails stops with SourceUnreadable naming the file."""
+    try:
+        yield from _read_piece(piece, text_column)
+    except SourceUnreadable:
+        raise
+    except (OSError, EOFError) as e:  # gzip's BadGzipFile and pyarrow's IO errors are OSErrors
+        raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
+
+
+def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:
     if piece.file.kind == "jsonl":
         yield from _read_jsonl(piece, text_column)
     elif piece.file.kind == "parquet":
@@ -358,7 +373,7 @@ def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErro
         try:
             raw = b"".join(line for _, _, line in _plain_lines(piece))
         except OSError as e:
-            raise CorpusError(f"{piece.file.path} cannot be read: {e}") from e
+            raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
         try:
             where = f"{piece.file.path} (bytes from {piece.start})"
             yield Document(f"{piece.file.name}:{piece.start}", strip_gutenberg(decode(raw, where)))
@@ -370,7 +385,7 @@ def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErro
             with opener(piece.file.path, "rb") as f:
                 raw = f.read()
         except (OSError, EOFError) as e:
-            raise CorpusError(f"{piece.file.path} cannot be read: {e}") from e
+            raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
         try:
             yield Document(piece.file.name, strip_gutenberg(decode(raw, piece.file.path)))
         except CorpusError as e:

@@ -34,8 +34,8 @@ from common.storage import cache_folder, is_remote, location
 from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
                        publish_folder, read_records, remove_stale_tmp, sha256_file, tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
-from common.sources import (CorpusError, SourceFile, WorkUnit, blocks, document_hash, paragraphs, read_unit,
-                            source_files, work_units)
+from common.sources import (CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, document_hash, paragraphs,
+                            read_unit, source_files, work_units)
 from common import hf
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
 
@@ -273,7 +273,7 @@ def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: s
             except ray.exceptions.RayTaskError as e:  # the worker's own error, without Ray's traceback
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, CorpusError):
-                    raise CorpusError(str(cause)) from None
+                    raise type(cause)(str(cause)) from None
                 raise
             on_result(result)
             bar.update(unit.bytes)
@@ -370,6 +370,13 @@ def _train_tokenizer(scans, keeps, valids, config: RunConfig, staging: Path, log
     return open_tokenizer(staging)
 
 
+def _staged_key(staging: Path) -> str | None:
+    try:
+        return json.loads((staging / "key.json").read_text()).get("key")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _read_progress(staging: Path) -> dict[int, dict]:
     return read_records(staging / "progress.jsonl", "unit")
 
@@ -416,9 +423,8 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     total_bytes = sum(u.bytes for u in units)
     key = build_key(config, files)
     staging = out_dir.with_name(f".{out_dir.name}.staging")
-    if staging.is_dir() and not ((staging / "key.json").is_file() and
-                                 json.loads((staging / "key.json").read_text()).get("key") == key):
-        shutil.rmtree(staging)  # an unfinished build of other inputs
+    if staging.is_dir() and _staged_key(staging) != key:
+        shutil.rmtree(staging)  # an unfinished build of other inputs (or one whose key.json was cut short)
     staging.mkdir(parents=True, exist_ok=True)
     for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
         remove_stale_tmp(folder)
@@ -444,6 +450,9 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         del scans  # the tokenizer sample is no longer needed
         return _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir,
                                  workers, address, t_start, seconds, log, skipped)
+    except SourceUnreadable as e:  # maybe passing (a network file system): the same command continues
+        raise SourceUnreadable(f"{e}; the work done so far is kept in {staging} and the same command continues "
+                               f"from it") from None
     except CorpusError:  # bad input: a rerun would fail the same way until the source changes
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -494,11 +503,8 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
         if not parts:
             raise CorpusError(f"the {split} split of {source!r} has no sequence of >= {cfg.min_seq_len} tokens")
         meta[split] = {"rows": row_start, "tokens": sum(p["tokens"] for p in parts), "parts": parts}
-    shutil.rmtree(staging / "scan")
-    (staging / "progress.jsonl").unlink()
     atomic_write_text(staging / "resolved_manifest.toml", dump_toml(config))
-    atomic_write_json(staging / CORPUS_META, meta)
-    term_counts(staging)
+    atomic_write_json(staging / CORPUS_META, meta)  # from here on a rerun only publishes
     _publish(staging, out_dir)
     seconds["publish"] = time.time() - t_start - sum(seconds.values())
     log("corpus: seconds " + ", ".join(f"{k} {v:.2f}" for k, v in {**seconds, "encode_in_pack": encode_s}.items()))
@@ -510,7 +516,12 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
-    """The complete staging folder takes the place of `out_dir`; the old corpus is removed only after."""
+    """The complete staging folder (its `corpus.json` written) takes the place of `out_dir`, with its term
+    counts and without the build's own files; the old corpus is removed only after."""
+    term_counts(staging)
+    if (staging / "scan").is_dir():
+        shutil.rmtree(staging / "scan")
+    (staging / "progress.jsonl").unlink(missing_ok=True)
     publish_folder(staging, out_dir)
     (out_dir / "key.json").unlink()
 

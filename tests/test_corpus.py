@@ -216,6 +216,72 @@ def test_kill_9_during_the_build_then_a_rerun_gives_the_same_bytes(tmp_path, env
     assert digest(config.corpus_dir) == digest(tmp_path / "reference")
 
 
+def _flip_keeping_stat(path, offset):
+    """One byte of `path` changed in place, its size and modification time as they were (the build key holds)."""
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_source_file_that_fails_to_read_keeps_the_work_and_the_same_command_continues(tmp_path):
+    """A read error may pass (a network file system): the scans already done stay in the staging folder, and
+    once the file reads again (same name, size and time) the rerun scans only the rest, to the same bytes."""
+    raw = _multi_file_source(tmp_path)
+    gz = raw / "zz.txt.gz"  # the last unit's: the units before it are scanned when it fails
+    with gzip.open(gz, "wt") as f:
+        f.write((write_text_corpus(tmp_path / "last", num_docs=1, seed=30) / "work_00.txt").read_text())
+    config = tiny_config(tmp_path)
+    build_corpus(config, tmp_path / "reference", **quiet)
+    _flip_keeping_stat(gz, -8)  # the gzip trailer's CRC: the whole file is read, then refused
+    with pytest.raises(CorpusError, match=r"zz\.txt\.gz cannot be read.*CRC.*kept in .*\.corpus\.staging"):
+        build_corpus(config, config.corpus_dir, **quiet)
+    staging = tmp_path / ".corpus.staging"
+    scanned = len(list((staging / "scan").glob("*.json")))
+    assert scanned > 0 and not config.corpus_dir.exists()
+    _flip_keeping_stat(gz, -8)
+    logs = []
+    build_corpus(config, config.corpus_dir, log=logs.append)
+    units = load_corpus_meta(config.corpus_dir)["units"]
+    assert f"corpus: scanning {units - scanned} of {units} units" in "\n".join(logs)
+    assert digest(config.corpus_dir) == digest(tmp_path / "reference")
+
+
+def test_a_build_that_fails_writing_its_index_keeps_every_part(tmp_path, monkeypatch):
+    """The disk fills (or the build is killed) while corpus.json is written, the last file of a build: the
+    rerun packs nothing again and gives the same bytes."""
+    import errno
+    import corpus.build as build
+    _multi_file_source(tmp_path)
+    config = tiny_config(tmp_path)
+    build_corpus(config, tmp_path / "reference", **quiet)
+    write_json = build.atomic_write_json
+
+    def disk_full_at_the_index(path, obj):
+        if path.name == "corpus.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write_json(path, obj)
+    monkeypatch.setattr(build, "atomic_write_json", disk_full_at_the_index)
+    with pytest.raises(OSError, match="No space left"):
+        build_corpus(config, config.corpus_dir, **quiet)
+    monkeypatch.undo()
+    logs = []
+    build_corpus(config, config.corpus_dir, log=logs.append)
+    units = load_corpus_meta(config.corpus_dir)["units"]
+    assert f"corpus: packing 0 of {units} units ({units} already done)" in "\n".join(logs)
+    assert digest(config.corpus_dir) == digest(tmp_path / "reference")
+
+
+def test_a_staging_folder_whose_key_was_cut_short_is_started_again(tmp_path):
+    write_text_corpus(tmp_path / "raw", num_docs=4)
+    config = tiny_config(tmp_path)
+    (tmp_path / ".corpus.staging").mkdir()
+    (tmp_path / ".corpus.staging" / "key.json").write_text('{"key": "ab')  # killed mid-write by an old version
+    build_corpus(config, config.corpus_dir, **quiet)
+    assert corpus_is_current(config, config.corpus_dir, config.corpus.source)
+
+
 def test_a_failed_rebuild_leaves_the_good_corpus_alone(tmp_path):
     write_text_corpus(tmp_path / "raw", num_docs=4)
     config = tiny_config(tmp_path)

@@ -198,3 +198,29 @@ def test_the_trainer_says_when_the_shards_were_made_with_other_generate_settings
     budget = dataclasses.replace(config, generate=dataclasses.replace(config.generate, epochs=0))
     open_data(data, budget, log=said.append)
     assert "generate.epochs 2, here 0" in said[-1], said
+
+
+def test_a_record_appended_after_a_torn_line_is_a_line_of_its_own(tmp_path):
+    """A kill or a full disk mid-append leaves a line without its end: the next record (a rerun's) is not glued
+    to it, so the generator's log and the trainer that follows it both read it."""
+    from common.io import append_record, read_records
+    from train.data import Follower
+    log = tmp_path / "progress.jsonl"
+    append_record(log, {"path": "shard-00000.parquet", "rows": 4})
+    with open(log, "ab") as f:
+        f.write(b'{"path": "shard-00001.parq')  # torn
+    append_record(log, {"path": "shard-00002.parquet", "rows": 4})
+    assert sorted(read_records(log, "path")) == ["shard-00000.parquet", "shard-00002.parquet"]
+    assert Follower(tmp_path).record("shard-00002.parquet")["rows"] == 4
+
+
+def test_a_resumed_run_drops_a_torn_metrics_line_and_the_plots_read_around_it(tmp_path):
+    from common.config import RunConfig
+    from train.plots import read_metrics
+    from train.trainer import open_metrics
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    path.write_text("\n".join(lines) + '\n{"step": 4, "lo' + "\0" * 16)  # a full disk, then a crash
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    open_metrics(tmp_path, RunConfig(), step=2)
+    assert path.read_text() == "\n".join(lines[:2]) + "\n"

@@ -23,7 +23,14 @@ PANELS = (  # (title, metrics.jsonl keys)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl; a line torn by a kill or a full disk is left out."""
+    records = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in records if isinstance(r, dict)]
 
 
 def plot_curves(run_dir: str | Path, name: str = "curves.png") -> Path | None:

@@ -182,11 +182,19 @@ def build_model(config: RunConfig, vocab_size: int, prior: float, device: torch.
 
 
 def open_metrics(run_dir: Path, config: RunConfig, step: int) -> Path:
-    """Rank 0: the run folder with the resolved config, metrics.jsonl cut back to the resumed step."""
+    """Rank 0: the run folder with the resolved config, metrics.jsonl cut back to the resumed step (a line
+    torn by a kill or a full disk dropped)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir)
     path = run_dir / "metrics.jsonl"
-    kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] <= step] if path.is_file() and step else []
+    kept = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() and step else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", step + 1) <= step:
+            kept.append(line)
     atomic_write_text(path, "".join(l + "\n" for l in kept))
     return path
 
