@@ -47,10 +47,20 @@ def save(ckpt_dir: Path, keep: int, progress: Progress, model, optimizer, schedu
 
 def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, manifest_hash: str, data_desc,
             rank: int, world: int, device: torch.device) -> tuple[Path, Progress] | None:
-    """Load the newest valid checkpoint into model, optimizer and scheduler (and this rank's RNG when the
-    world size is the same); None if there is none. Refuses another data manifest, or a config that
+    """Collective. Load the newest valid checkpoint into model, optimizer and scheduler (and this rank's RNG
+    when the world size is the same); None if there is none. Every rank must find the same one. Refuses another data manifest, or a config that
     differs in anything that changes the updates (`common.config.trajectory_config`)."""
     found = latest_checkpoint(ckpt_dir)
+    names = gather_objects(found[0].name if found else None, world)
+    if len(set(names)) > 1:  # each rank would resume at another step: different updates, or a hang
+        seen: dict = {}
+        for r, name in enumerate(names):
+            seen.setdefault(name or "none", []).append(str(r))
+        raise IncompatibleInputs(
+            f"the ranks do not find the same newest checkpoint in {ckpt_dir} ("
+            + "; ".join(f"{name} on rank {', '.join(ranks[:4])}{', ...' if len(ranks) > 4 else ''}"
+                        for name, ranks in seen.items())
+            + "): every rank must read the one run folder rank 0 writes (a shared file system)")
     if not found:
         return None
     path, state = found
