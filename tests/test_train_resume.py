@@ -197,3 +197,34 @@ def test_tensorboard_events_hold_the_metrics_and_a_resumed_run_logs_each_step_on
         events = [(e.step, e.value) for e in board.Scalars(tag)]
         assert [step for step, _ in events] == [step for step, _ in logged], tag
         assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(events, logged)), tag
+
+
+def test_sigterm_stops_both_ranks_after_the_same_update_with_a_checkpoint_and_resume_goes_on(generated, tmp_path,
+                                                                                             gloo_env):
+    """A cluster's preemption: SIGTERM to torchrun, which passes it on to its ranks. Both stop after one and
+    the same update, checkpoint it (none was due: ckpt_every is past the run), release the run folder and end
+    unfinished (no summary.json); --resume goes on from there to the end."""
+    from train.__main__ import SLOW_ENV
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
+           "--manifest", str(manifest), "--data", str(data), "--out", str(run), "--set", "train.log_every=1",
+           "--set", "train.ckpt_every=1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**gloo_env, SLOW_ENV: "0.5"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not ((run / "metrics.jsonl").is_file() and len(_losses(run)) >= 2):
+        assert time.time() < deadline and proc.poll() is None, "the run did not log two steps"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0, out[-3000:]
+    stopped = _losses(run)[-1][0]
+    assert f"train: stopped by SIGTERM after step {stopped} of" in out, out[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{stopped:08d}.pt"]
+    assert not (run / "summary.json").exists() and not (tmp_path / ".run.lock").exists()
+    result = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=gloo_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {stopped}" in result.stdout
+    steps = [step for step, _, _ in _losses(run)]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] > stopped and (run / "summary.json").is_file()

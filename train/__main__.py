@@ -16,7 +16,7 @@ from common.config import ConfigError, add_manifest_argument, add_set_argument
 from common.io import DamagedFile, FolderLocked
 from common.sources import CorpusError
 from train.data import DataError
-from train.trainer import train
+from train.trainer import Stopped, train
 
 # Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception);
 # sleep this many seconds after every step (a run slow enough to be killed from outside).
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return leave(2)
+    except Stopped:
+        return 128 + signal.SIGTERM  # as if SIGTERM had ended it: a scheduler sees the run unfinished
     return 0
 
 

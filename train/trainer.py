@@ -16,6 +16,8 @@ import json
 import math
 import os
 import resource
+import signal
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -326,8 +328,9 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps, last_plot = time.time(), 0, [math.inf, -math.inf], -math.inf
     deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
+    stop, stopped = StopRequest().install(), False
     unread = []  # each update's "stepped" flag on the device, read at the next log, evaluation or checkpoint step
-    while progress.step < total_steps and not deadline_hit:
+    while progress.step < total_steps and not (deadline_hit or stopped):
         step = progress.step
         try:
             rows = next_rows.result()  # damage found in what this rank reads stops the run here, before the update
@@ -347,9 +350,12 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                                                                      to_batch, device, autocast, world, tc, count_masked)
         unread.append(stepped)
         progress.step = step = step + 1
-        if deadline:  # a wall-clock budget (make reproduce): every rank stops after the same update
-            deadline_hit = all_max([float(time.time() >= deadline)], world)[0] > 0 and step < total_steps
-        final = step == total_steps or deadline_hit
+        # A wall-clock budget (make reproduce) or a SIGTERM to any rank: every rank stops after the same update.
+        asked = [float(bool(deadline) and time.time() >= deadline), float(stop.signal is not None)]
+        if world > 1 or any(asked):
+            asked = all_max(asked, world)
+            deadline_hit, stopped = (flag > 0 and step < total_steps for flag in asked)
+        final = step == total_steps or deadline_hit or stopped
         tokens_seen += global_tokens
         tokens_per_s = tokens_seen / (time.time() - t_start)
         bar.update(1)
@@ -398,10 +404,20 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                        rank, world, device, tokenizer_sha256)
         if after_step:
             after_step(step)
+    stop.uninstall()
     bar.close()
     reader.shutdown()
     if is_main and board:
         board.close()
+    if stopped:  # not finished: no summary.json (what marks a finished run), the checkpoint says where it is
+        if is_main:
+            plot_curves(run_dir)
+            print(f"train: stopped by SIGTERM after step {progress.step} of {total_steps}, checkpoint "
+                  f"{latest_checkpoint(ckpt_dir)[0]}; the same command with --resume continues")
+        barrier(world)
+        if world > 1:
+            torch.distributed.destroy_process_group()
+        raise Stopped(progress.step)
     elapsed = time.time() - t_start
     summary = {}
     if is_main:
@@ -417,6 +433,32 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     if world > 1:
         torch.distributed.destroy_process_group()
     return summary
+
+
+class Stopped(Exception):
+    """The run stopped early on SIGTERM, its checkpoint written (`StopRequest`)."""
+
+
+class StopRequest:
+    """SIGTERM (a cluster's preemption, torchrun passing on its own) asks the loop to stop after the update
+    in flight, with a checkpoint, instead of losing up to `ckpt_every` updates. Only the main thread can
+    take a signal; elsewhere (a test calling `train` from a thread) nothing is installed."""
+
+    def __init__(self):
+        self.signal, self._previous = None, None
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._ask)
+        return self
+
+    def _ask(self, signum, frame) -> None:
+        self.signal = signum
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
