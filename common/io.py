@@ -63,6 +63,7 @@ def atomic_path(path):
     if is_remote(path):
         tmp = cache_root() / "uploads" / f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_uploads(tmp.parent)
         try:
             yield tmp
             path.upload(tmp)
@@ -161,6 +162,15 @@ def remove_stale_tmp(folder) -> int:
         p.unlink(missing_ok=True)
         count += 1
     return count
+
+
+def remove_dead_uploads(folder: Path) -> None:
+    """The upload temporaries (`NAME.tmp-PID-THREAD`) of writers no longer running on this machine: a process
+    killed mid-upload leaves its file, as large as a shard, in the cache every other process shares."""
+    for p in folder.glob("*.tmp-*"):
+        pid = p.name.rsplit(".tmp-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            p.unlink(missing_ok=True)
 
 
 def publish_folder(staging: str | Path, out: str | Path) -> None:

@@ -224,3 +224,18 @@ def test_a_resumed_run_drops_a_torn_metrics_line_and_the_plots_read_around_it(tm
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
     open_metrics(tmp_path, RunConfig(), step=2)
     assert path.read_text() == "\n".join(lines[:2]) + "\n"
+
+
+def test_upload_temporaries_of_dead_writers_are_removed_and_a_live_writers_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from common.io import remove_dead_uploads
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid no longer runs
+    dead = tmp_path / f"shard-00003.parquet.tmp-{gone.pid}-140001"
+    live = tmp_path / f"shard-00004.parquet.tmp-{os.getpid()}-140002"
+    for path in (dead, live):
+        path.write_bytes(b"x" * 1024)
+    remove_dead_uploads(tmp_path)
+    assert not dead.exists() and live.exists()

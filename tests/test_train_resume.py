@@ -45,10 +45,14 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(generated, tmp_path
     proc.wait()
     steps_before = len(metrics.read_text().splitlines())
     assert steps_before < len(_losses(full))  # it really stopped early
+    (killed / "checkpoints").mkdir(exist_ok=True)
+    stale = killed / "checkpoints" / ".step-99999999.pt.tmp-4194305"  # what a kill mid-save leaves (any pid)
+    stale.write_bytes(b"\0" * 4096)
     result = subprocess.run(_train_cmd(manifest, data, killed, resume=True), cwd=ROOT, env=env_with_repo,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout
+    assert not stale.exists() and "removed 1 temporary file(s)" in result.stdout
     assert _losses(killed) == _losses(full)  # exact float equality, same rows
 
 

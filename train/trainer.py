@@ -33,7 +33,7 @@ from common.corpus import load_corpus_meta, local_corpus
 from common.tokenizer import Reserved, tokenizer_reserved
 from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
-from common.io import FolderLock, atomic_write_json, atomic_write_text
+from common.io import FolderLock, atomic_write_json, atomic_write_text, remove_stale_tmp
 from common.storage import is_remote, location
 from common.memory import preflight
 from common.model import ReplacedTokenDetector, count_parameters
@@ -233,6 +233,10 @@ def train(args, after_step=None) -> dict:
         raise ConfigError(f"the run folder must be on this machine's file system, not {run_dir} (checkpoints and "
                           f"metrics are written locally; the data, corpus and aux model may be on object storage)")
     lock = FolderLock(run_dir, "the trainer").acquire() if rank == 0 else None
+    if lock:  # a checkpoint's temporary left by a kill mid-save: as large as a checkpoint, at every preemption
+        removed = sum(remove_stale_tmp(folder) for folder in (run_dir, run_dir / "checkpoints") if folder.is_dir())
+        if removed:
+            print(f"train: removed {removed} temporary file(s) a killed run left in {run_dir}")
     try:
         return run(args, config, run_dir, rank, world, device, after_step)
     finally:
