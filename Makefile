@@ -74,7 +74,8 @@ LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m train.launch --standalone --n
 
 # Training follows the generation: the generator runs in the background (a finished folder: checked, then done)
 # while the trainer waits for each step's shards (train --follow). Its output: GEN_LOG, beside the folder (for
-# object storage, in WORK). Ctrl-C or a failed trainer stops the generator too; rerunning resumes both.
+# object storage, in WORK). Ctrl-C or a failed trainer stops the generator too; rerunning resumes both. A generator
+# stopped that way did not fail (its exit code then is Ray's: 15, 134 or 143): only one that ended by itself is told.
 GEN_LOG := $(if $(findstring ://,$(DATA_DIR)),$(WORK)/generate.log,$(patsubst %/,%,$(DATA_DIR)).generate.log)
 train: aux
 	@mkdir -p $(dir $(GEN_LOG)); \
@@ -84,9 +85,9 @@ train: aux
 	echo "generate: writing $(DATA_DIR) in the background (log: $(GEN_LOG)); the trainer follows it"; \
 	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume \
 	    --follow --follow-pid $$gen; rc=$$?; \
-	if [ $$rc -ne 0 ]; then kill $$gen 2>/dev/null; fi; wait $$gen; grc=$$?; \
-	if [ $$grc -ne 0 ] && [ $$grc -ne 143 ]; then tail -n 5 $(GEN_LOG) >&2; \
-	    echo "error: the generator failed (exit $$grc; log: $(GEN_LOG))" >&2; [ $$rc -ne 0 ] || exit $$grc; fi; \
+	if [ $$rc -ne 0 ]; then kill $$gen 2>/dev/null && stopped=1; fi; wait $$gen; grc=$$?; \
+	case "$$stopped:$$grc" in *:0|1:*) ;; *) tail -n 5 $(GEN_LOG) >&2; \
+	    echo "error: the generator failed (exit $$grc; log: $(GEN_LOG))" >&2; [ $$rc -ne 0 ] || exit $$grc;; esac; \
 	grep '^generate: ' $(GEN_LOG) | tail -n 1; exit $$rc
 	@echo "next: make finetune (README: Fine-tuning) | make sweep (Stages) | make train CORPUS=your/texts (Your own corpus) | MANIFEST=manifests/base.toml (Scaling out)"
 

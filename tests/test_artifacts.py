@@ -143,6 +143,25 @@ def test_switching_corpora_through_make_reuses_what_each_one_built(tmp_path, env
 
 
 @pytest.mark.slow
+def test_make_train_does_not_blame_the_generator_it_stopped_when_the_trainer_died(generated, tmp_path,
+                                                                                    env_with_repo):
+    """The trainer dies (SIGKILL after step 2) while the generator, slowed down, is still writing: make stops
+    the generator (whose exit code after a SIGTERM is Ray's, 15 or 134, not 143) and reports the trainer's
+    end, not a generator failure."""
+    from generate.job import SLOW_ENV as GENERATE_SLOW_ENV
+    from train.__main__ import KILL_AT_STEP_ENV
+    manifest, _, _ = generated
+    data = tmp_path / "epochs"
+    result = subprocess.run(["make", "--no-print-directory", "train", f"MANIFEST={manifest}", f"DATA={data}",
+                             f"RUN={tmp_path / 'run'}", "WORKERS=1"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**env_with_repo, GENERATE_SLOW_ENV: "1.0", KILL_AT_STEP_ENV: "2"})
+    assert result.returncode != 0
+    assert "the generator failed" not in result.stderr, result.stderr[-3000:]
+    assert not (data / "manifest.json").exists()  # it was stopped before the end
+    assert "Error 137" in result.stderr, result.stderr[-3000:]  # the trainer's SIGKILL is what make reports
+
+
+@pytest.mark.slow
 def test_with_two_ranks_a_ranks_error_ends_the_command_with_its_exit_code(generated, tmp_path, gloo_env):
     manifest, data, _ = generated
     values = json.loads((data / "manifest.json").read_text())
