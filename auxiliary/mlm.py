@@ -19,8 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from common.checkpoint import AUX_FILE, latest_checkpoint, read_aux_meta, save_aux, save_hf_aux
@@ -30,6 +28,7 @@ from common.io import DamagedFile, sha256_file
 from common.model import MaskedLM
 from common.sources import CorpusError
 from common.tokenizer import open_tokenizer
+from train.launch import run_child, trainer_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,13 +55,6 @@ def run_key(config: RunConfig, corpus_dir: Path) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def trainer_command(nproc: int) -> list[str]:
-    """One rank in a plain process; several under torchrun (train/launch.py: a rank's error is the exit code)."""
-    if nproc <= 1:
-        return [sys.executable, "-m", "train"]
-    return [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", str(nproc), "-m", "train"]
-
-
 def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print, nproc: int = 1, force: bool = False,
               env: dict | None = None) -> Path:
     """Train (or resume) the aux run in a trainer process, then publish its last checkpoint as aux.pt."""
@@ -78,7 +70,7 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print, npr
     log(f"aux: training in {run_dir} ({nproc} rank(s)): {' '.join(command[1:])}")
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), child_env.get("PYTHONPATH", "")]))
-    code = subprocess.run(command, env=child_env).returncode
+    code = run_child(command, env=child_env)
     if code != 0:
         raise AuxRunError(f"the aux training run in {run_dir} stopped (exit code {code}); run `make aux` again to "
                           f"resume it from its last checkpoint", code)

@@ -38,7 +38,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from finetune.finetuner import finetune, load_backbone
 from finetune.config import dump_toml as dump_finetune_toml, resolve_config
 from finetune.glue import TaskError
 from finetune.rotten_tomatoes import write_pretraining_corpus
+from train.launch import run_child
 
 # What each pre-trained method changes in the manifest (the paper's curricula are [generate] settings).
 METHOD_SETTINGS = {
@@ -155,7 +155,7 @@ def plan_updates(budget_s: float, fraction: float, update_s: float, generation_s
 
 def run(cmd: list[str], what: str) -> None:
     print(f"reproduce: {what}: {' '.join(cmd)}", flush=True)
-    code = subprocess.run(cmd).returncode
+    code = run_child(cmd)
     if code:
         raise RuntimeError(f"{what} failed (exit {code}): {' '.join(cmd)}")
 

@@ -3,28 +3,29 @@
     python -m experiments.sweep --manifest PATH [--data DIR] [--out DIR] [--nproc N]
 
 The grid is the manifest's [sweep.train] table (key = [values]); every combination
-is one run, trained by the ordinary trainer under torchrun on the shards in --data.
+is one run, trained by the ordinary trainer (torchrun for --nproc > 1) on the shards in --data.
 The generator is never called: the shards are only read (and checked against their
 manifest by the trainer). Output folder:
     <run name>/manifest.toml, metrics.jsonl, curves.png, summary.json, checkpoints/
     sweep.json, sweep.md        final validation metrics per config
-Rerunning resumes unfinished runs and skips finished ones.
+Rerunning resumes unfinished runs and skips those finished on these shards with these settings; a
+finished run of other shards or settings is handed to the trainer, whose --resume refuses it, naming why.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs
 from common.storage import location
 from common.config import (ConfigError, RunConfig, add_manifest_argument, config_from_dict, config_to_dict, dump_toml,
-                           load_manifest)
+                           load_manifest, trajectory_config)
 from common.io import DamagedFile, atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
+from train.launch import run_child, trainer_command
 
 METRICS = ("loss", "accuracy", "precision", "recall", "auc")
 
@@ -47,12 +48,24 @@ def expand_grid(config: RunConfig) -> list[tuple[str, dict, RunConfig]]:
 
 
 def run_one(run_dir: Path, config: RunConfig, data_dir: Path, nproc: int) -> int:
-    """Train one config with torchrun (resuming if the folder already holds checkpoints)."""
+    """Train one config (torchrun for several ranks), resuming if the folder already holds checkpoints."""
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = atomic_write_text(run_dir / "manifest.toml", dump_toml(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "train", "--manifest", str(manifest), "--data", str(data_dir), "--out", str(run_dir), "--resume"]
-    return subprocess.run(cmd).returncode
+    cmd = [*trainer_command(nproc), "--manifest", str(manifest), "--data", str(data_dir), "--out", str(run_dir),
+           "--resume"]
+    return run_child(cmd)
+
+
+def finished(run_dir: Path, config: RunConfig, fingerprint: str) -> bool:
+    """The run in `run_dir` ended on these very shards (its summary's data fingerprint) with the settings that
+    change the updates that `config` has: its results stand for this sweep."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        resolved = load_manifest(run_dir / "resolved_manifest.toml")
+    except (OSError, ValueError, ConfigError):
+        return False
+    return (isinstance(summary, dict) and summary.get("data_fingerprint") == fingerprint
+            and trajectory_config(config_to_dict(resolved)) == trajectory_config(config_to_dict(config)))
 
 
 def summary_table(rows: list[dict], grid_keys: list[str]) -> str:
@@ -75,10 +88,10 @@ def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=prin
     for i, (name, point, run_config) in enumerate(runs):
         run_dir = out_dir / name
         summary_path = run_dir / "summary.json"
-        if summary_path.is_file():
+        if finished(run_dir, run_config, fingerprint):
             log(f"sweep: [{i + 1}/{len(runs)}] {name} already finished")
             code = 0
-        else:
+        else:  # new, unfinished, or finished on other shards or settings (--resume refuses those, naming why)
             log(f"sweep: [{i + 1}/{len(runs)}] {name} -> {run_dir}")
             code = run_one(run_dir, run_config, data_dir, nproc)
         summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.is_file() else {}

@@ -48,3 +48,51 @@ def test_make_sweep_reuses_the_shards_and_never_runs_the_generator(generated, tm
     table = (out / "sweep.md").read_text()
     assert table.count("| 0.001 |") == 1 and table.count("| 0.004 |") == 1
     assert summary["best_by_val_auc"] in ("lr=0.001", "lr=0.004")
+
+
+def test_a_killed_sweep_stops_its_trainer_with_a_checkpoint_and_only_results_of_these_shards_and_settings_stand(
+        generated, tmp_path, env_with_repo):
+    """SIGKILL to the sweep alone: its running trainer (torchrun, then its rank) gets SIGTERM, checkpoints and
+    lets go of its run folder instead of training on beside the rerun. The rerun resumes it; a second rerun
+    finds both finished; one with other [train] settings does not take the old results for its own."""
+    import os
+    import signal
+    import sys
+    import time
+    from train.__main__ import SLOW_ENV
+    manifest, data, _ = generated
+    values = config_to_dict(load_manifest(manifest))
+    values["train"].update({"max_steps": 6, "log_every": 1, "eval_every": 3, "ckpt_every": 1000})
+    values["sweep"] = {"train": {"lr": [1e-3, 4e-3]}}
+    sweep_manifest = tmp_path / "sweep.toml"
+    sweep_manifest.write_text(dump_toml(config_from_dict(values)))
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "experiments.sweep", "--manifest", str(sweep_manifest), "--data", str(data),
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env_with_repo, SLOW_ENV: "1.0"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    first, lock = out / "lr=0.001", out / ".lr=0.001.lock"
+    deadline = time.time() + 120
+    while not ((first / "metrics.jsonl").is_file() and len((first / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert time.time() < deadline and proc.poll() is None, "the first run did not log two steps"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    while lock.exists() and time.time() < deadline + 60:
+        time.sleep(0.1)
+    assert not lock.exists()  # the trainer stopped by itself, not left training
+    assert list((first / "checkpoints").glob("step-*.pt")) and not (first / "summary.json").exists()
+
+    rerun = lambda *sets: subprocess.run(cmd + list(sets), cwd=ROOT, env=env_with_repo, capture_output=True,
+                                         text=True, timeout=600)
+    result = rerun()
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "resumed from" in result.stdout
+    result = rerun()
+    assert result.returncode == 0 and result.stdout.count("already finished") == 2, result.stdout[-3000:]
+    values["train"]["warmup_steps"] += 1  # the base settings edited: the old results are not this sweep's
+    sweep_manifest.write_text(dump_toml(config_from_dict(values)))
+    result = rerun()
+    assert result.returncode == 1 and "already finished" not in result.stdout, result.stdout[-3000:]
+    assert "train.warmup_steps" in result.stderr
+    assert [r["status"] for r in json.loads((out / "sweep.json").read_text())["runs"]] == ["failed (exit 2)"] * 2

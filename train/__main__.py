@@ -16,6 +16,7 @@ from common.config import ConfigError, add_manifest_argument, add_set_argument
 from common.io import DamagedFile, FolderLocked
 from common.sources import CorpusError
 from train.data import DataError
+from train.launch import die_with_parent
 from train.trainer import Stopped, train
 
 # Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception);
@@ -38,16 +39,11 @@ def test_hook():
     return hook
 
 
-def die_with_parent() -> None:
-    """Under torchrun a worker runs in a session of its own: ask Linux to kill it when its launcher dies
-    (make's kill of the job group), so no trainer outlives the command that started it."""
-    if "LOCAL_RANK" not in os.environ:
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: nothing to ask
+def die_with_torchrun() -> None:
+    """Under torchrun a worker runs in a session of its own: killed with its launcher (make's kill of the job
+    group), so no trainer outlives the command that started it."""
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent(signal.SIGKILL)
 
 
 def main(argv=None) -> int:
@@ -71,7 +67,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.follow and args.follow_timeout <= 0:
         parser.error(f"--follow-timeout must be > 0 seconds, got {args.follow_timeout:g}")
-    die_with_parent()
+    die_with_torchrun()
     try:
         train(args, after_step=test_hook())
     except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError) as e:

@@ -432,7 +432,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                   f"{stream.follower.waits} shard(s)")
         summary = write_summary(run_dir, history, progress.step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
                                 progress.nonfinite_total, device, planned_steps=total_steps,
-                                corpus=config.corpus.source)
+                                corpus=config.corpus.source, data_fingerprint=manifest_hash)
     barrier(world)
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -466,13 +466,15 @@ class StopRequest:
 
 
 def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
-                  tokens_per_s: float, nonfinite: int, device, planned_steps: int, corpus: str = "") -> dict:
+                  tokens_per_s: float, nonfinite: int, device, planned_steps: int, corpus: str = "",
+                  data_fingerprint: str = "") -> dict:
     start, end = history["start"], history.get("last", history["start"])
     consumed = history.get("temperature_consumed", [math.nan, math.nan])
     plot_curves(run_dir)
     summary = {"steps": total_steps, "planned_steps": planned_steps, "dropped_tail_rows": dropped_rows, "start": start,
                "end": end, "temperature_consumed": consumed, "tokens_per_s": tokens_per_s,
-               "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir), "corpus": corpus}
+               "nonfinite_steps": nonfinite, "device": str(device), "run_dir": str(run_dir), "corpus": corpus,
+               "data_fingerprint": data_fingerprint}
     atomic_write_json(run_dir / "summary.json", summary)
     print("\n" + summary_text(summary))
     return summary
