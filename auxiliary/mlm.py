@@ -28,7 +28,7 @@ from common.io import DamagedFile, sha256_file
 from common.model import MaskedLM
 from common.sources import CorpusError
 from common.tokenizer import open_tokenizer
-from train.launch import run_child, trainer_command
+from common.process import run_child, trainer_command
 
 REPO = Path(__file__).resolve().parents[1]
 

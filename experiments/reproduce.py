@@ -54,7 +54,7 @@ from finetune.finetuner import finetune, load_backbone
 from finetune.config import dump_toml as dump_finetune_toml, resolve_config
 from finetune.glue import TaskError
 from finetune.rotten_tomatoes import write_pretraining_corpus
-from train.launch import run_child
+from common.process import run_child
 
 # What each pre-trained method changes in the manifest (the paper's curricula are [generate] settings).
 METHOD_SETTINGS = {

@@ -25,7 +25,7 @@ from common.config import (ConfigError, RunConfig, add_manifest_argument, config
                            load_manifest, trajectory_config)
 from common.io import DamagedFile, atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
-from train.launch import run_child, trainer_command
+from common.process import run_child, trainer_command
 
 METRICS = ("loss", "accuracy", "precision", "recall", "auc")
 

@@ -16,7 +16,7 @@ from common.config import ConfigError, add_manifest_argument, add_set_argument
 from common.io import DamagedFile, FolderLocked
 from common.sources import CorpusError
 from train.data import DataError
-from train.launch import die_with_parent
+from common.process import die_with_parent
 from train.trainer import Stopped, train
 
 # Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception);
