@@ -11,6 +11,7 @@ from auxiliary.mlm import AuxRunError, aux_is_current, train_aux, use_hf_aux
 from common.checkpoint import AUX_FILE, AUX_META
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.corpus import local_corpus
+from common.io import DiskFull
 from common.sources import CorpusError
 from common.storage import cache_folder, is_remote, location
 
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     except AuxRunError as e:  # the trainer has printed its own error
         print(f"error: {e}", file=sys.stderr)
         return e.code if 0 < e.code < 256 else 1
-    except (ConfigError, CorpusError, FileNotFoundError, ValueError) as e:  # ValueError: common.hf.HFError
+    except (ConfigError, CorpusError, FileNotFoundError, ValueError, DiskFull) as e:  # ValueError: common.hf.HFError
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -6,6 +6,7 @@ a folder likewise is built under a temporary sibling and swapped in (`publish_fo
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -29,6 +30,43 @@ def sha256_file(path, chunk: int = 1 << 20) -> str:
 
 class DamagedFile(ValueError):
     """A JSON file a stage wrote that does not read back: cut short, edited, or another program's."""
+
+
+class DiskFull(OSError):
+    """A write that ran out of space (or quota), naming the file it was writing and the space left there."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _out_of_space(error: BaseException, folder: Path) -> bool:
+    """Whether `error`, raised while writing into `folder`, is the file system's being full: an OSError
+    saying so anywhere in its chain, or another writer's error (torch.save's "unexpected pos") with less
+    than 1 MiB left."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+def disk_full(error: BaseException, path, folder: Path) -> DiskFull | None:
+    """The DiskFull error to raise instead of `error` (raised writing `path` into `folder`), or None."""
+    if isinstance(error, DiskFull) or not _out_of_space(error, folder):
+        return None
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free there now"
+    except OSError:
+        free = "free space unknown"
+    return DiskFull(errno.ENOSPC, f"no space left writing {path} ({free}); what was written before is kept: "
+                                  f"make room and run the command again (a trainer with --resume) to go on")
 
 
 def read_json(path, required: tuple[str, ...] = (), remedy: str = "") -> dict:
@@ -67,6 +105,10 @@ def atomic_path(path):
         try:
             yield tmp
             path.upload(tmp)
+        except Exception as e:
+            if (full := disk_full(e, tmp, tmp.parent)) is not None:  # this machine's cache, not the bucket
+                raise full from e
+            raise
         finally:
             tmp.unlink(missing_ok=True)
         return
@@ -78,6 +120,10 @@ def atomic_path(path):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:  # measured before the temporary goes: a full disk frees its bytes
+        if (full := disk_full(e, path, path.parent)) is not None:
+            raise full from e
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -106,6 +152,15 @@ def append_record(path, record: dict, key: str | None = None) -> None:
         (record_objects(path) / f"{record[key]}.json").write_text(line)
         return
     data = line.encode()
+    try:
+        _append(path, data)
+    except OSError as e:
+        if (full := disk_full(e, path, Path(path).parent)) is not None:
+            raise full from e
+        raise
+
+
+def _append(path, data: bytes) -> None:
     with open(path, "a+b") as f:
         if f.seek(0, os.SEEK_END):  # a line torn by a kill or a full disk ends here first: the record its own line
             f.seek(-1, os.SEEK_END)

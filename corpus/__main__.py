@@ -10,7 +10,7 @@ import os
 import sys
 
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
-from common.io import DamagedFile, FolderLocked
+from common.io import DamagedFile, DiskFull, FolderLocked
 from common.corpus import CORPUS_META
 from common.sources import CorpusError
 from common.storage import cache_folder, is_remote, location, upload_folder
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         if is_remote(out):
             upload_folder(local, out, last=CORPUS_META)
             print(f"corpus: uploaded to {out}")
-    except (ConfigError, CorpusError, FolderLocked, DamagedFile) as e:
+    except (ConfigError, CorpusError, FolderLocked, DamagedFile, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

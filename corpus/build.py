@@ -32,7 +32,7 @@ from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
 from common.storage import cache_folder, is_remote, location
 from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
-                       publish_folder, read_records, remove_stale_tmp, sha256_file, tmp_path_for)
+                       disk_full, publish_folder, read_records, remove_stale_tmp, sha256_file, tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, document_hash, paragraphs,
                             read_unit, source_files, work_units)
@@ -274,6 +274,8 @@ def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: s
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, CorpusError):
                     raise type(cause)(str(cause)) from None
+                if isinstance(cause, OSError):  # a full disk among them: `_build` says so
+                    raise cause from None
                 raise
             on_result(result)
             bar.update(unit.bytes)
@@ -455,6 +457,10 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
                                f"from it") from None
     except CorpusError:  # bad input: a rerun would fail the same way until the source changes
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except OSError as e:  # the staging folder is kept: a rerun goes on from its parts
+        if (full := disk_full(e, e.filename or staging, staging)) is not None:
+            raise full from e
         raise
     finally:
         if not ray_was_running and ray.is_initialized():

@@ -48,7 +48,7 @@ import torch
 from common.checkpoint import AUX_FILE, IncompatibleInputs, list_checkpoints
 from common.config import (ConfigError, RunConfig, add_manifest_argument, config_from_dict, config_to_dict, dump_toml,
                            load_manifest)
-from common.io import DamagedFile, atomic_write_json, atomic_write_text
+from common.io import DamagedFile, DiskFull, atomic_write_json, atomic_write_text
 from common.sources import CorpusError
 from finetune.finetuner import finetune, load_backbone
 from finetune.config import dump_toml as dump_finetune_toml, resolve_config
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
         manifest = Path(args.manifest)
         out = Path(args.out) if args.out else Path(load_manifest(manifest).work_dir)
         reproduce(manifest, out, Path(args.tasks_dir), args.budget)
-    except (ConfigError, CorpusError, TaskError, IncompatibleInputs, RuntimeError, DamagedFile) as e:
+    except (ConfigError, CorpusError, TaskError, IncompatibleInputs, RuntimeError, DamagedFile, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -23,7 +23,7 @@ from common.checkpoint import IncompatibleInputs
 from common.storage import location
 from common.config import (ConfigError, RunConfig, add_manifest_argument, config_from_dict, config_to_dict, dump_toml,
                            load_manifest, trajectory_config)
-from common.io import DamagedFile, atomic_write_json, atomic_write_text
+from common.io import DamagedFile, DiskFull, atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
 from common.process import run_child, trainer_command
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         data_dir = location(args.data) if args.data else config.epochs_dir
         out_dir = location(args.out) if args.out else location(config.work_dir) / "sweeps" / config.name
         rows = sweep(config, data_dir, out_dir, args.nproc)
-    except (ConfigError, DataError, IncompatibleInputs, DamagedFile) as e:
+    except (ConfigError, DataError, IncompatibleInputs, DamagedFile, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if all(r["status"] == "done" for r in rows) else 1

@@ -12,7 +12,7 @@ import sys
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
-from common.io import DamagedFile, FolderLocked
+from common.io import DamagedFile, DiskFull, FolderLocked
 from common.sources import CorpusError
 from common.storage import location
 from common.parallel import default_workers
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         aux = location(args.aux) if args.aux else config.aux_dir / AUX_FILE
         generate(config, out, corpus, aux, workers, args.address, args.force, verify=args.verify)
     except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError, FolderLocked,
-            DamagedFile) as e:
+            DamagedFile, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -19,7 +19,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from common.io import append_record, read_records
+from common.io import DiskFull, append_record, read_records
 from common.parallel import start_ray as common_start_ray
 from common.plan import ShardTask
 from common.shards import PROGRESS_FILE
@@ -105,7 +105,12 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
                 pending[actor.run.remote(task)] = actor
             done, _ = ray.wait(list(pending), num_returns=1)
             actor = pending.pop(done[0])
-            record = ray.get(done[0])
+            try:
+                record = ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:  # a full disk under an actor: its one line, not Ray's trace
+                if isinstance(getattr(e, "cause", None), DiskFull):
+                    raise DiskFull(e.cause.errno, str(e.cause)) from None
+                raise
             append_progress(out_dir, record)
             records.append(record)
             idle.append(actor)

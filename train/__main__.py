@@ -11,12 +11,14 @@ import signal
 import sys
 import time
 
+from tqdm import tqdm
+
 from common.checkpoint import IncompatibleInputs
 from common.config import ConfigError, add_manifest_argument, add_set_argument
-from common.io import DamagedFile, FolderLocked
+from common.io import DamagedFile, DiskFull, FolderLocked
+from common.process import die_with_parent
 from common.sources import CorpusError
 from train.data import DataError
-from common.process import die_with_parent
 from train.trainer import Stopped, train
 
 # Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception);
@@ -70,8 +72,8 @@ def main(argv=None) -> int:
     die_with_torchrun()
     try:
         train(args, after_step=test_hook())
-    except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError, DiskFull) as e:
+        tqdm.write(f"error: {e}", file=sys.stderr)  # on a line of its own, not after the progress bar's
         return leave(2)
     except Stopped:
         return 128 + signal.SIGTERM  # as if SIGTERM had ended it: a scheduler sees the run unfinished
