@@ -383,11 +383,28 @@ def _read_progress(staging: Path) -> dict[int, dict]:
     return read_records(staging / "progress.jsonl", "unit")
 
 
-def _part_intact(staging: Path, part: dict) -> bool:
-    files = [(part["path"], part["bytes"], part["sha256"])] + \
-            [(f["path"], f["bytes"], f["sha256"]) for f in part["flat"].values()]
-    return all((staging / p).is_file() and (staging / p).stat().st_size == n and sha256_file(staging / p) == h
-               for p, n, h in files)
+def _part_files(part: dict) -> list[tuple[str, int, str]]:
+    return [(part["path"], part["bytes"], part["sha256"])] + \
+           [(f["path"], f["bytes"], f["sha256"]) for f in part["flat"].values()]
+
+
+def _stamp(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _part_intact(staging: Path, part: dict, stamps: dict, hashed: list) -> bool:
+    """A packed part's files have their recorded size, and either the size and time they had when recorded
+    (`stamps`: not read again) or their recorded sha256 (read, and appended to `hashed`)."""
+    for p, n, h in _part_files(part):
+        path = staging / p
+        if not path.is_file() or path.stat().st_size != n:
+            return False
+        if stamps.get(p) != _stamp(path):
+            hashed.append(p)
+            if sha256_file(path) != h:
+                return False
+    return True
 
 
 def check_hf_aux(config: RunConfig) -> None:
@@ -471,14 +488,18 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
                       address, t_start, seconds, log, skipped: int) -> Path:
     cfg, key, total_bytes = config.corpus, build_key(config, files), sum(u.bytes for u in units)
 
-    progress = _read_progress(staging)
-    done = {u: r for u, r in progress.items() if all(_part_intact(staging, p) for p in r["parts"].values())}
+    progress, hashed = _read_progress(staging), []
+    done = {u: r for u, r in progress.items()
+            if all(_part_intact(staging, p, r.get("stamps", {}), hashed) for p in r["parts"].values())}
+    if hashed:
+        log(f"corpus: hashed {len(hashed)} part file(s) again, their size or time changed since they were recorded")
     doc_starts = np.cumsum([0] + [int(k.sum()) for k in keeps])
     jobs = [(u, (cfg.text_column, str(staging), keeps[u.index], valids[u.index], int(doc_starts[u.index]),
                  cfg.max_seq_len, cfg.min_seq_len, cfg.on_bad_input == "skip")) for u in units if u.index not in done]
 
-    def record(result):
-        append_record(staging / "progress.jsonl", result)
+    def record(result):  # with each file's size and time: a restart trusts them as they are, unread
+        stamps = {p: _stamp(staging / p) for part in result["parts"].values() for p, _, _ in _part_files(part)}
+        append_record(staging / "progress.jsonl", {**result, "stamps": stamps})
         done[result["unit"]] = result
 
     log(f"corpus: packing {len(jobs)} of {len(units)} units ({len(units) - len(jobs)} already done)")

@@ -91,10 +91,12 @@ def file_stamp(path, listed: dict | None = None, name: str = "") -> list[int]:
     return [stat.st_size, stat.st_mtime_ns]
 
 
-def verified(record: dict | None, out_dir, stamps: dict | None = None, listed: dict | None = None) -> bool:
+def verified(record: dict | None, out_dir, stamps: dict | None = None, listed: dict | None = None,
+             hashed: list | None = None) -> bool:
     """A finished shard is trusted only if its size and sha256 match its record. `stamps`: the size and
-    modification time each shard had when its sha256 was last checked (verified.json); a shard whose
-    stamp is unchanged is trusted without reading it again, any other is hashed."""
+    modification time each shard had when its sha256 was last checked (verified.json), or when it was put in
+    place (its record's `stamp`, so a killed run's shards are not read again either); a shard whose stamp is
+    unchanged is trusted without reading it again, any other is hashed (and appended to `hashed`)."""
     if not record:
         return False
     path = out_dir / record["path"]
@@ -103,8 +105,12 @@ def verified(record: dict | None, out_dir, stamps: dict | None = None, listed: d
             return False
     elif not path.is_file() or path.stat().st_size != record["bytes"]:
         return False
-    if stamps is not None and stamps.get(record["path"]) == [record["sha256"], *file_stamp(path, listed, record["path"])]:
-        return True
+    if stamps is not None:
+        now = file_stamp(path, listed, record["path"])
+        if stamps.get(record["path"]) == [record["sha256"], *now] or record.get("stamp") == now:
+            return True
+    if hashed is not None:
+        hashed.append(record["path"])
     return sha256_file(path) == record["sha256"]
 
 
@@ -195,7 +201,10 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     manifest_path = out_dir / MANIFEST_FILE
     stamps = None if verify else read_stamps(out_dir)
     listed = list_files(out_dir) if is_remote(out_dir) else None  # object storage: one listing, not a request per shard
-    done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir, stamps, listed)}
+    hashed = []
+    done = {t.path: known[t.path] for t in tasks if verified(known.get(t.path), out_dir, stamps, listed, hashed)}
+    if hashed and stamps is not None:
+        log(f"generate: hashed {len(hashed)} shard(s) again, their size or time changed since they were recorded")
     # what was hashed now (or written before) keeps its stamp: the next start reads none of it
     atomic_write_json(out_dir / VERIFIED_FILE, {p: [r["sha256"], *file_stamp(out_dir / p, listed, p)]
                                                 for p, r in done.items()})

@@ -111,6 +111,8 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
                 if isinstance(getattr(e, "cause", None), DiskFull):
                     raise DiskFull(e.cause.errno, str(e.cause)) from None
                 raise
+            shard = (location(out_dir) / record["path"]).stat()  # in place now: a restart trusts it as it is
+            record["stamp"] = [shard.st_size, shard.st_mtime_ns]
             append_progress(out_dir, record)
             records.append(record)
             idle.append(actor)

@@ -91,6 +91,7 @@ def test_sigkill_halfway_then_rerun_equals_uninterrupted(reference):
         assert sha256_file(out / record["path"]) == record["sha256"]
     result = _run(manifest, out, 1)
     assert f"{done_before} already done" in result.stdout
+    assert "hashed" not in result.stdout  # the killed run's shards are trusted by the stamps of their records
     assert _hashes(out) == expected
     assert not list(out.rglob(".*.tmp-*"))
 
@@ -111,7 +112,7 @@ def test_damaged_shard_is_detected_and_regenerated(reference):
     data[len(data) // 2] ^= 0xFF
     (out / victim).write_bytes(bytes(data))
     result = _run(manifest, out, 1)
-    assert "1 to run" in result.stdout
+    assert "1 to run" in result.stdout and "hashed 1 shard(s) again" in result.stdout  # its time changed
     assert f"{out / victim} is missing or damaged (size or sha256 differ from its record); redoing it" in result.stdout
     assert _hashes(out) == expected
     result = _run(manifest, out, 1)  # complete and verified: nothing to do, no Ray
