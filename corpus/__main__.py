@@ -41,10 +41,13 @@ def main(argv=None) -> int:
             return 0
         # object storage: built in this machine's cache, then uploaded, corpus.json last (common/storage.py)
         local = cache_folder(out, "builds") if is_remote(out) else out
-        build_corpus(config, local, workers=workers, address=args.address)
+        if is_remote(out) and not args.force and corpus_is_current(config, local, config.corpus.source):
+            print(f"corpus: {local} is built; uploading it")  # an upload that was interrupted
+        else:
+            build_corpus(config, local, workers=workers, address=args.address)
         if is_remote(out):
-            upload_folder(local, out, last=CORPUS_META)
-            print(f"corpus: uploaded to {out}")
+            put, skipped = upload_folder(local, out, last=CORPUS_META)
+            print(f"corpus: uploaded to {out} ({put} files put{f', {skipped} already there' if skipped else ''})")
     except (ConfigError, CorpusError, FolderLocked, DamagedFile, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

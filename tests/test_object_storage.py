@@ -210,3 +210,35 @@ def test_a_cached_copy_is_reused_only_while_its_stamp_holds(s3, tmp_path):
     assert local.read_bytes() == second
     with pytest.raises(OSError, match="size or sha256 differ"):
         local_copy(remote, tmp_path / "other.bin", 1000, sha(first))  # the record says what is no longer there
+
+
+def test_a_corpus_upload_killed_midway_is_finished_by_the_rerun_without_building_or_putting_again(s3, generated,
+                                                                                                  tmp_path):
+    """kill -9 of `python -m corpus --out s3://...` while it uploads (throttled): the rerun finds the build done
+    in this machine's cache and puts only the files the first run did not; the bucket then holds the local
+    build's bytes, corpus.json last."""
+    client, env = s3
+    manifest, _, _ = generated
+    prefix = "corpus-killed/"
+    cmd = [sys.executable, "-m", "corpus", "--manifest", str(manifest), "--out", f"s3://{BUCKET}/{prefix[:-1]}",
+           "--workers", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env, UPLOAD_RATE_ENV: "20000"})
+    t0 = time.time()
+    while len(_objects(client, prefix)) < 2:
+        assert time.time() - t0 < 180 and proc.poll() is None, "the corpus stage did not upload two files"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    first = _objects(client, prefix)
+    assert "corpus.json" not in first
+    rerun = _run(cmd[2:], env).stdout
+    assert "is built; uploading it" in rerun and "packing" not in rerun
+    assert f"{len(first)} already there" in rerun or f"{len(first) - 1} already there" in rerun, rerun
+    from common.storage import cache_folder, location
+    local = cache_folder(location(f"s3://{BUCKET}/{prefix[:-1]}"), "builds")
+    files = {p.relative_to(local).as_posix(): p for p in local.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    import hashlib
+    assert {k: _sha(client, prefix + k) for k in files} == {k: hashlib.sha256(p.read_bytes()).hexdigest()
+                                                           for k, p in files.items()}
