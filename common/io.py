@@ -285,17 +285,19 @@ class FolderLock:
                     if not self._owner() and self.path.exists():
                         self.path.unlink(missing_ok=True)
                     continue
-                if owner.get("host") == host and (owner.get("pid") == os.getpid() or not _alive(owner.get("pid", 0))):
+                if owner.get("host") == host and (owner.get("pid") == os.getpid() or not owner_running(owner)):
                     if owner.get("pid") != os.getpid():
                         print(f"{self.what}: taking over the lock of process {owner.get('pid')} ({owner.get('what')}), "
                               f"which is no longer running")
                     self.path.unlink(missing_ok=True)
                     continue
+                elsewhere = "" if owner.get("host") == host else (
+                    f"; if it no longer runs there (a machine that went down), delete {self.path}")
                 raise FolderLocked(f"{self.folder} is being written by {owner.get('what')} (pid {owner.get('pid')} on "
                                    f"{owner.get('host')}, since {owner.get('since')}); wait for it or stop it "
-                                   f"(its lock: {self.path})") from None
+                                   f"(its lock: {self.path}){elsewhere}") from None
             with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": host, "what": self.what,
+                json.dump({"pid": os.getpid(), "started": _started(os.getpid()), "host": host, "what": self.what,
                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
             return self
         raise FolderLocked(f"could not take the lock {self.path}")
@@ -309,6 +311,25 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), or None where that is unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def owner_running(owner: dict) -> bool:
+    """Whether the process a lock names still runs on this host: its pid, and the start time the lock
+    recorded (a pid used again by another process, as in a restarted container, is not the owner)."""
+    pid = owner.get("pid", 0)
+    if not _alive(pid):
+        return False
+    recorded, now = owner.get("started"), _started(pid)
+    return recorded is None or now is None or recorded == now
 
 
 def _alive(pid: int) -> bool:

@@ -40,6 +40,23 @@ def test_a_second_writer_stops_naming_the_owner_and_a_dead_owners_lock_is_taken_
     assert not lock.path.exists()
 
 
+def test_a_lock_whose_pid_now_belongs_to_another_process_is_taken_over(tmp_path, capsys):
+    """A container restarted: the dead writer's pid is some other live process now (here pid 1). The start
+    time the lock recorded tells them apart. A lock of another machine is not judged, but the message says
+    which file to delete if that machine went down."""
+    import socket
+    folder = tmp_path / "run"
+    lock_file = tmp_path / ".run.lock"
+    lock_file.write_text(json.dumps({"pid": 1, "started": -1, "host": socket.gethostname(), "what": "a writer",
+                                     "since": "2026-11-25 00:00:00"}))
+    with FolderLock(folder, "me") as lock:
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    assert "taking over the lock of process 1 (a writer), which is no longer running" in capsys.readouterr().out
+    lock_file.write_text(json.dumps({"pid": 1, "host": "another-host", "what": "a writer", "since": "then"}))
+    with pytest.raises(FolderLocked, match=rf"on another-host.*delete {lock_file}"):
+        FolderLock(folder, "me").acquire()
+
+
 @pytest.mark.slow
 def test_a_trainer_on_a_locked_run_folder_stops_with_exit_code_2(generated, tmp_path, env_with_repo):
     manifest, data, _ = generated

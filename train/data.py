@@ -24,7 +24,7 @@ from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs, check_sizes
 from common.config import RunConfig, config_to_dict
 from common.corpus import CORPUS_META, REBUILD
-from common.io import FolderLock, _alive, read_json, read_record, sha256_file
+from common.io import FolderLock, _alive, owner_running, read_json, read_record, sha256_file
 from common.shards import (FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA, data_fingerprint,
                            list_column, open_parquet, stream_fingerprint)
 from common.storage import is_remote, list_files, location
@@ -152,7 +152,7 @@ class Follower:
         owner = lock._owner()
         if not owner:
             return f"no generator holds the folder's lock ({lock.path}): none is running on this machine"
-        state = "still running" if _alive(owner.get("pid", 0)) else "no longer running"
+        state = "still running" if owner_running(owner) else "no longer running"
         return (f"its generator, {owner.get('what')} (pid {owner.get('pid')} on {owner.get('host')}, since "
                 f"{owner.get('since')}), is {state}")
 
