@@ -151,7 +151,8 @@ def load_aux(path: str | Path, map_location="cpu") -> tuple[MaskedLM, dict]:
     meta = read_aux_meta(path)
     digest = sha256_file(path)
     if digest != meta["sha256"]:
-        raise IncompatibleInputs(f"auxiliary model {path} has sha256 {digest[:12]}, {AUX_META} says {meta['sha256'][:12]}")
+        raise IncompatibleInputs(f"auxiliary model {path} has sha256 {digest[:12]}, {AUX_META} says {meta['sha256'][:12]} "
+                                 f"(a publish cut short, or the file replaced); `make aux` publishes both again")
     payload = safe_load(path, map_location)
     if payload.get("kind") == "hf":
         from common import hf

@@ -119,6 +119,19 @@ def test_a_damaged_aux_json_is_named_and_the_aux_stage_publishes_it_again(built,
         read_aux_meta(aux)  # --aux DIR instead of DIR/aux.pt
 
 
+def test_an_aux_pt_that_is_not_the_one_its_aux_json_names_says_make_aux_and_make_aux_publishes_again(built, tmp_path):
+    """A kill between publishing aux.pt and aux.json (or aux.pt replaced): the generator's load names both
+    hashes and the remedy, and the aux stage does not take the pair as current."""
+    from auxiliary.mlm import aux_is_current
+    from common.checkpoint import load_aux
+    aux = shutil.copytree(built.aux_dir, tmp_path / "aux")
+    with open(aux / AUX_FILE, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(IncompatibleInputs, match=r"aux\.json says .*`make aux` publishes both again"):
+        load_aux(aux / AUX_FILE)
+    assert not aux_is_current(built, built.corpus_dir, aux)
+
+
 def test_a_sweep_with_fewer_than_one_process_per_run_launches_nothing(tmp_path, capsys):
     from experiments.sweep import main as sweep_main
     with pytest.raises(SystemExit) as stop:
