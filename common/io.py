@@ -120,6 +120,7 @@ def atomic_path(path):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself, through a power loss
     except Exception as e:  # measured before the temporary goes: a full disk frees its bytes
         if (full := disk_full(e, path, path.parent)) is not None:
             raise full from e
@@ -233,6 +234,11 @@ def publish_folder(staging: str | Path, out: str | Path) -> None:
     moved aside first and removed only once the new one is in place; if that rename fails, it is put back.
     The caller holds `out`'s FolderLock (the aside name, `.NAME.old`, is the same for every writer)."""
     staging, out = Path(staging), Path(out)
+    for folder, _, names in os.walk(staging):  # every byte on disk before the name says the folder is complete
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(folder))
     old = out.with_name(f".{out.name}.old")
     shutil.rmtree(old, ignore_errors=True)  # left by a swap that was killed
     if out.exists():
@@ -243,7 +249,22 @@ def publish_folder(staging: str | Path, out: str | Path) -> None:
         if old.exists() and not out.exists():
             old.rename(out)
         raise
+    fsync_dir(out.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a folder's entries (a rename into it) durable; where a folder cannot be opened, nothing."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a file system that does not sync folders
+    finally:
+        os.close(fd)
 
 
 class FolderLocked(RuntimeError):
