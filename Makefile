@@ -84,7 +84,7 @@ train: aux
 	trap 'kill $$gen 2>/dev/null; exit 130' INT TERM; \
 	echo "generate: writing $(DATA_DIR) in the background (log: $(GEN_LOG)); the trainer follows it"; \
 	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume \
-	    --follow --follow-pid $$gen; rc=$$?; \
+	    --follow --follow-pid $$gen; rc=$$?; stopped=0; \
 	if [ $$rc -ne 0 ]; then kill $$gen 2>/dev/null && stopped=1; fi; wait $$gen; grc=$$?; \
 	case "$$stopped:$$grc" in *:0|1:*) ;; *) tail -n 5 $(GEN_LOG) >&2; \
 	    echo "error: the generator failed (exit $$grc; log: $(GEN_LOG))" >&2; [ $$rc -ne 0 ] || exit $$grc;; esac; \

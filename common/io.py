@@ -99,7 +99,7 @@ def atomic_path(path):
     """Yield a temporary path; on success fsync and rename it to `path`, else delete it. For an object
     (`common.storage.ObjectPath`) the temporary file is local and is uploaded to the key in one put."""
     if is_remote(path):
-        tmp = cache_root() / "uploads" / f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = cache_root() / "uploads" / f"{path.name}.tmp-{_host()}-{os.getpid()}-{threading.get_ident()}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
         remove_dead_uploads(tmp.parent)
         try:
@@ -139,6 +139,31 @@ def atomic_write_text(path, text: str):
     return Path(path)
 
 
+UPLOAD_LOG = ".uploaded.jsonl"
+
+
+def upload_folder(local: Path, remote, last: str) -> tuple[int, int]:
+    """Put every file under `local` (relative names kept) under `remote`, `last` (the index a reader opens
+    first) after all the others. Each put is recorded in `local/.uploaded.jsonl` with the local file's size
+    and time: after an interrupted upload a rerun skips a file recorded so whose object is still there with
+    its size. Returns (files put, files skipped)."""
+    from common.storage import list_files
+    files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
+    recorded = read_records(local / UPLOAD_LOG, "name")
+    there = list_files(remote) if recorded else {}
+    put = skipped = 0
+    for path in [p for p in files if p.name != last] + [p for p in files if p.name == last]:
+        name, stamp = path.relative_to(local).as_posix(), file_stamp(path)
+        present = there.get(name)
+        if recorded.get(name, {}).get("local") == stamp and present and present.st_size == stamp[0]:
+            skipped += 1
+            continue
+        (remote / name).upload(path)
+        append_record(local / UPLOAD_LOG, {"name": name, "local": stamp})
+        put += 1
+    return put, skipped
+
+
 def record_objects(path):
     """Where a progress log on object storage keeps its records: one object per record under `NAME.d/`
     (objects cannot be appended to)."""
@@ -173,8 +198,8 @@ def _append(path, data: bytes) -> None:
 
 
 def read_records(path, key: str) -> dict:
-    """The records of a progress file by `record[key]`, the last one winning; a torn last line (a kill
-    mid-write) is ignored."""
+    """The records of a progress file by `record[key]`, the last one winning; a torn line (a kill or a full
+    disk mid-write, the last one or, after a rerun appended past it, any) is ignored."""
     records = {}
     if is_remote(path):
         import pyarrow.fs as pafs
@@ -184,14 +209,32 @@ def read_records(path, key: str) -> dict:
         with ThreadPoolExecutor(max_workers=16) as pool:
             lines = list(pool.map(lambda key_: location(f"{folder.scheme}://{key_}").read_text(), names))
     else:
-        lines = Path(path).read_text().splitlines() if Path(path).is_file() else []
+        lines = Path(path).read_text(errors="replace").splitlines() if Path(path).is_file() else []
+    for record in parse_jsonl(lines):
+        if key in record:
+            records[record[key]] = record
+    return records
+
+
+def parse_jsonl(lines) -> list[dict]:
+    """The JSON objects among `lines` (of a progress log or metrics.jsonl), a line torn by a kill or a full
+    disk, or anything but an object, left out."""
+    records = []
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        records[record[key]] = record
+        if isinstance(record, dict):
+            records.append(record)
     return records
+
+
+def file_stamp(path) -> list[int]:
+    """What a finished file is trusted by without reading it again: its size and modification time (ns),
+    local or an object (common.storage)."""
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def read_record(path, key: str, value: str) -> dict | None:
@@ -220,12 +263,19 @@ def remove_stale_tmp(folder) -> int:
     return count
 
 
+def _host() -> str:
+    import socket
+    return socket.gethostname()
+
+
 def remove_dead_uploads(folder: Path) -> None:
-    """The upload temporaries (`NAME.tmp-PID-THREAD`) of writers no longer running on this machine: a process
-    killed mid-upload leaves its file, as large as a shard, in the cache every other process shares."""
-    for p in folder.glob("*.tmp-*"):
-        pid = p.name.rsplit(".tmp-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+    """The upload temporaries (`NAME.tmp-HOST-PID-THREAD`) of this host's writers no longer running: a process
+    killed mid-upload leaves its file, as large as a shard, in the cache every other process shares (other
+    hosts', on a shared home folder, are theirs to judge)."""
+    host = _host()
+    for p in folder.glob(f"*.tmp-{host}-*"):
+        owner, pid, _ = p.name.rsplit("-", 2)
+        if owner.endswith(f".tmp-{host}") and pid.isdigit() and not _alive(int(pid)):
             p.unlink(missing_ok=True)
 
 

@@ -2,9 +2,12 @@
 ranks under torchrun, none of which may outlive the command that started it."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+
+LAUNCHER_ENV = "FAST_ELECTRA_LAUNCHER_PID"  # set by run_child, read by stop_with_launcher
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -26,8 +29,22 @@ def trainer_command(nproc: int) -> list[str]:
 
 
 def run_child(cmd: list[str], env: dict | None = None) -> int:
-    """Run a stage's command (a trainer: `python -m train`, torchrun) for a parent that launches them (the
-    sweep, the aux stage, reproduce) and return its exit code. The child gets SIGTERM when the parent dies,
-    killed included: the trainer then checkpoints and stops (torchrun passes it on to its ranks) instead of
-    training on, holding the run folder, beside the parent's rerun."""
-    return subprocess.run(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM)).returncode
+    """Run a stage's command (a trainer: `python -m train`, or torchrun through train/launch.py) for a
+    parent that launches them (the sweep, the aux stage, reproduce) and return its exit code. The child is
+    asked (`stop_with_launcher`) to take SIGTERM when the parent dies, killed included: the trainer then
+    checkpoints and stops (torchrun passes it on to its ranks) instead of training on, holding the run
+    folder, beside the parent's rerun."""
+    child_env = dict(os.environ if env is None else env)
+    child_env[LAUNCHER_ENV] = str(os.getpid())
+    return subprocess.run(cmd, env=child_env).returncode
+
+
+def stop_with_launcher() -> None:
+    """In a process `run_child` started: SIGTERM when the launcher dies. Asked here, in the child's own
+    start (not between fork and exec, which a parent with threads makes unsafe); not passed on further."""
+    launcher = os.environ.pop(LAUNCHER_ENV, "")
+    if not launcher.isdigit():
+        return
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -230,37 +230,3 @@ def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None 
                           f"({size} bytes); the object was replaced or damaged")
     atomic_write_text(stamp_path, stamp())
     return local
-
-
-UPLOAD_LOG = ".uploaded.jsonl"
-
-
-def upload_folder(local: Path, remote: "ObjectPath", last: str) -> tuple[int, int]:
-    """Put every file under `local` (relative names kept) under `remote`, `last` (the index a reader opens
-    first) after all the others. Each put is recorded in `local/.uploaded.jsonl` with the local file's size
-    and time: after an interrupted upload a rerun skips a file recorded so whose object is still there with
-    its size. Returns (files put, files skipped)."""
-    files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
-    log_path = local / UPLOAD_LOG
-    recorded = {}
-    for line in log_path.read_text().splitlines() if log_path.is_file() else []:
-        try:
-            record = json.loads(line)
-            recorded[record["name"]] = record
-        except (ValueError, KeyError, TypeError):
-            continue  # a line torn by a kill
-    there = list_files(remote) if recorded else {}
-    put = skipped = 0
-    with open(log_path, "a") as log:
-        for path in [p for p in files if p.name != last] + [p for p in files if p.name == last]:
-            name, stat = path.relative_to(local).as_posix(), path.stat()
-            record, present = recorded.get(name), there.get(name)
-            if (record and present and record["local"] == [stat.st_size, stat.st_mtime_ns]
-                    and present.st_size == stat.st_size):
-                skipped += 1
-                continue
-            (remote / name).upload(path)
-            log.write(json.dumps({"name": name, "local": [stat.st_size, stat.st_mtime_ns]}) + "\n")
-            log.flush()
-            put += 1
-    return put, skipped

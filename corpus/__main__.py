@@ -10,11 +10,11 @@ import os
 import sys
 
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
-from common.io import DamagedFile, DiskFull, FolderLocked
+from common.io import DamagedFile, DiskFull, FolderLocked, upload_folder
 from common.corpus import CORPUS_META
 from common.sources import CorpusError
-from common.storage import cache_folder, is_remote, location, upload_folder
-from corpus.build import build_corpus, corpus_is_current
+from common.storage import cache_folder, is_remote, location
+from corpus.build import build_corpus, corpus_is_current, parts_present
 
 
 def main(argv=None) -> int:
@@ -41,7 +41,8 @@ def main(argv=None) -> int:
             return 0
         # object storage: built in this machine's cache, then uploaded, corpus.json last (common/storage.py)
         local = cache_folder(out, "builds") if is_remote(out) else out
-        if is_remote(out) and not args.force and corpus_is_current(config, local, config.corpus.source):
+        if (is_remote(out) and not args.force and corpus_is_current(config, local, config.corpus.source)
+                and parts_present(local)):
             print(f"corpus: {local} is built; uploading it")  # an upload that was interrupted
         else:
             build_corpus(config, local, workers=workers, address=args.address)

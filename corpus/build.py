@@ -32,7 +32,7 @@ from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
 from common.storage import cache_folder, is_remote, location
 from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
-                       disk_full, publish_folder, read_records, remove_stale_tmp, sha256_file, tmp_path_for)
+                       disk_full, file_stamp, publish_folder, read_records, remove_stale_tmp, sha256_file, tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, document_hash, paragraphs,
                             read_unit, source_files, work_units)
@@ -388,11 +388,6 @@ def _part_files(part: dict) -> list[tuple[str, int, str]]:
            [(f["path"], f["bytes"], f["sha256"]) for f in part["flat"].values()]
 
 
-def _stamp(path: Path) -> list[int]:
-    stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
-
-
 def _part_intact(staging: Path, part: dict, stamps: dict, hashed: list) -> bool:
     """A packed part's files have their recorded size, and either the size and time they had when recorded
     (`stamps`: not read again) or their recorded sha256 (read, and appended to `hashed`)."""
@@ -400,7 +395,7 @@ def _part_intact(staging: Path, part: dict, stamps: dict, hashed: list) -> bool:
         path = staging / p
         if not path.is_file() or path.stat().st_size != n:
             return False
-        if stamps.get(p) != _stamp(path):
+        if stamps.get(p) != file_stamp(path):
             hashed.append(p)
             if sha256_file(path) != h:
                 return False
@@ -470,8 +465,8 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         return _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir,
                                  workers, address, t_start, seconds, log, skipped)
     except SourceUnreadable as e:  # maybe passing (a network file system): the same command continues
-        raise SourceUnreadable(f"{e}; the work done so far is kept in {staging} and the same command continues "
-                               f"from it") from None
+        raise SourceUnreadable(f"{e}; the work done so far is kept in {staging}: if the read failed in passing "
+                               f"(a network file system), the same command continues from it") from None
     except CorpusError:  # bad input: a rerun would fail the same way until the source changes
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -498,7 +493,7 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
                  cfg.max_seq_len, cfg.min_seq_len, cfg.on_bad_input == "skip")) for u in units if u.index not in done]
 
     def record(result):  # with each file's size and time: a restart trusts them as they are, unread
-        stamps = {p: _stamp(staging / p) for part in result["parts"].values() for p, _, _ in _part_files(part)}
+        stamps = {p: file_stamp(staging / p) for part in result["parts"].values() for p, _, _ in _part_files(part)}
         append_record(staging / "progress.jsonl", {**result, "stamps": stamps})
         done[result["unit"]] = result
 
@@ -551,6 +546,14 @@ def _publish(staging: Path, out_dir: Path) -> None:
     (staging / "progress.jsonl").unlink(missing_ok=True)
     publish_folder(staging, out_dir)
     (out_dir / "key.json").unlink()
+
+
+def parts_present(corpus_dir: Path) -> bool:
+    """Every part file `corpus.json` lists is in `corpus_dir` with its recorded size (a local build kept in
+    the cache for an upload, which a cleanup may have thinned)."""
+    meta = load_corpus_meta(corpus_dir)
+    return all((corpus_dir / p).is_file() and (corpus_dir / p).stat().st_size == n
+               for split in SPLITS for part in meta[split]["parts"] for p, n, _ in _part_files(part))
 
 
 def corpus_is_current(config: RunConfig, corpus_dir: Path, source: str) -> bool:

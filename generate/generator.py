@@ -20,7 +20,8 @@ from pathlib import Path
 from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, check_sizes, local_aux, read_aux_meta
 from common.config import RunConfig, config_to_dict, save_resolved
 from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
-from common.io import DamagedFile, FolderLock, atomic_write_json, read_json, remove_stale_tmp, sha256_file
+from common.io import (DamagedFile, FolderLock, atomic_write_json, file_stamp, read_json, remove_stale_tmp,
+                       sha256_file)
 from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA
 from common.sources import CorpusError
 from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
@@ -84,11 +85,12 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
 VERIFIED_FILE = "verified.json"
 
 
-def file_stamp(path, listed: dict | None = None, name: str = "") -> list[int]:
-    """What a file's verification is keyed by: its size and modification time (ns). `listed`: an object
-    storage folder's listing (`common.storage.list_files`), looked up by `name` instead of asking per object."""
-    stat = listed[name] if listed is not None else path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
+def shard_stamp(path, listed: dict | None = None, name: str = "") -> list[int]:
+    """`common.io.file_stamp`, or from `listed`: an object storage folder's listing
+    (`common.storage.list_files`), looked up by `name` instead of asking per object."""
+    if listed is None:
+        return file_stamp(path)
+    return [listed[name].st_size, listed[name].st_mtime_ns]
 
 
 def verified(record: dict | None, out_dir, stamps: dict | None = None, listed: dict | None = None,
@@ -106,7 +108,7 @@ def verified(record: dict | None, out_dir, stamps: dict | None = None, listed: d
     elif not path.is_file() or path.stat().st_size != record["bytes"]:
         return False
     if stamps is not None:
-        now = file_stamp(path, listed, record["path"])
+        now = shard_stamp(path, listed, record["path"])
         if stamps.get(record["path"]) == [record["sha256"], *now] or record.get("stamp") == now:
             return True
     if hashed is not None:
@@ -206,7 +208,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     if hashed and stamps is not None:
         log(f"generate: hashed {len(hashed)} shard(s) again, their size or time changed since they were recorded")
     # what was hashed now (or written before) keeps its stamp: the next start reads none of it
-    atomic_write_json(out_dir / VERIFIED_FILE, {p: [r["sha256"], *file_stamp(out_dir / p, listed, p)]
+    atomic_write_json(out_dir / VERIFIED_FILE, {p: [r["sha256"], *shard_stamp(out_dir / p, listed, p)]
                                                 for p, r in done.items()})
     for path in sorted(set(known) & {t.path for t in tasks} - set(done)):
         log(f"generate: {out_dir / path} is missing or damaged (size or sha256 differ from its record); redoing it")
@@ -248,8 +250,8 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     all_records = list(done.values()) + records
     # a shard written by this run was hashed as it was written (its record): stamp it now
     listed = list_files(out_dir) if is_remote(out_dir) else None
-    atomic_write_json(out_dir / VERIFIED_FILE, {r["path"]: [r["sha256"], *file_stamp(out_dir / r["path"], listed, r["path"])]
-                                                for r in all_records})
+    atomic_write_json(out_dir / VERIFIED_FILE, {r["path"]: [r["sha256"], *shard_stamp(out_dir / r["path"], listed,
+                                                                                      r["path"])] for r in all_records})
     epochs, valid = summarize_epochs(all_records, tasks, curriculum_record(config.generate))
     manifest = {
         "format_version": FORMAT_VERSION,

@@ -19,7 +19,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from common.io import DiskFull, append_record, read_records
+from common.io import DiskFull, append_record, file_stamp, read_records
 from common.parallel import start_ray as common_start_ray
 from common.plan import ShardTask
 from common.shards import PROGRESS_FILE
@@ -56,7 +56,9 @@ class ShardActor:
         if marker and not os.path.exists(marker):
             Path(marker).write_text(f"killed pid {os.getpid()} on {task.path}\n")
             os._exit(1)  # a real process death mid-task, not an exception
-        return {**self.writer(task, self.device_lock), "device": self.device}
+        record = self.writer(task, self.device_lock)
+        stamp = file_stamp(self.writer.out_dir / task.path)  # in place now: a restart trusts it as it is
+        return {**record, "device": self.device, "stamp": stamp}
 
 
 def read_progress(out_dir) -> dict[str, dict]:
@@ -111,8 +113,6 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
                 if isinstance(getattr(e, "cause", None), DiskFull):
                     raise DiskFull(e.cause.errno, str(e.cause)) from None
                 raise
-            shard = (location(out_dir) / record["path"]).stat()  # in place now: a restart trusts it as it is
-            record["stamp"] = [shard.st_size, shard.st_mtime_ns]
             append_progress(out_dir, record)
             records.append(record)
             idle.append(actor)

@@ -369,3 +369,15 @@ def test_the_tokenizer_sample_is_bounded_in_characters_as_well_as_lines(tmp_path
     assert sum(len(t) for *_, t in free["sample"]) > 20_000
     assert 4_000 < sum(len(t) for *_, t in bounded["sample"]) <= 5_000
     assert set(bounded["sample"]) <= set(free["sample"]) and np.array_equal(free["hashes"], bounded["hashes"])
+
+
+def test_parts_present_finds_a_part_a_cache_cleanup_took(tmp_path):
+    """What lets `python -m corpus --out s3://...` finish an interrupted upload from the cache's build without
+    building again: only while every listed part is there with its size."""
+    from corpus.build import parts_present
+    write_text_corpus(tmp_path / "raw", num_docs=4)
+    config = tiny_config(tmp_path)
+    build_corpus(config, config.corpus_dir, **quiet)
+    assert parts_present(config.corpus_dir)
+    next(config.corpus_dir.glob("train/*.npy")).unlink()
+    assert not parts_present(config.corpus_dir)

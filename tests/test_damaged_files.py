@@ -246,9 +246,12 @@ def test_upload_temporaries_of_dead_writers_are_removed_and_a_live_writers_kept(
     from common.io import remove_dead_uploads
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # its pid no longer runs
-    dead = tmp_path / f"shard-00003.parquet.tmp-{gone.pid}-140001"
-    live = tmp_path / f"shard-00004.parquet.tmp-{os.getpid()}-140002"
-    for path in (dead, live):
+    import socket
+    host = socket.gethostname()
+    dead = tmp_path / f"shard-00003.parquet.tmp-{host}-{gone.pid}-140001"
+    live = tmp_path / f"shard-00004.parquet.tmp-{host}-{os.getpid()}-140002"
+    elsewhere = tmp_path / f"shard-00005.parquet.tmp-another-host-{gone.pid}-140003"  # a shared home folder
+    for path in (dead, live, elsewhere):
         path.write_bytes(b"x" * 1024)
     remove_dead_uploads(tmp_path)
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and elsewhere.exists()

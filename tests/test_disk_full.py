@@ -71,3 +71,23 @@ def test_a_corpus_that_does_not_fit_keeps_its_staging_and_says_so(tmp_path, smal
                             cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
     _one_error_line(result, str(small_disk))
     assert (small_disk / ".corpus.staging").is_dir() and not (small_disk / "corpus").exists()
+
+
+def test_only_a_full_disk_is_called_one(tmp_path):
+    """The ENOSPC / EDQUOT anywhere in the chain is one; another error on a folder with room is not, torch's
+    writer error included (it is taken for a full disk only when under 1 MiB is left, as on the tmpfs above)."""
+    import errno
+    from common.io import DiskFull, disk_full
+    path = tmp_path / "step-00000002.pt"
+    full = disk_full(OSError(errno.ENOSPC, "No space left on device"), path, tmp_path)
+    assert isinstance(full, DiskFull) and str(full).startswith(f"no space left writing {path} (")
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    except RuntimeError as chained:
+        assert isinstance(disk_full(chained, path, tmp_path), DiskFull)
+    assert disk_full(RuntimeError("unexpected pos 576 vs 534"), path, tmp_path) is None  # room left here
+    assert disk_full(OSError(errno.EACCES, "Permission denied"), path, tmp_path) is None
+    assert disk_full(ValueError("not a write error"), path, tmp_path) is None

@@ -133,3 +133,26 @@ def test_the_prior_of_a_finished_folder_needs_no_progress_log(generated, built, 
     (copy / "progress.jsonl").unlink()
     prior = open_data(data, built)["prior"]
     assert 0 < prior < 0.5 and open_data(copy, built)["prior"] == prior
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_trainer_waiting_for_a_shard_stops_it_at_once_naming_its_checkpoint(generated, tmp_path,
+                                                                                          env_with_repo):
+    """While a step waits for the generator, SIGTERM ends the trainer at once (exit 143, run folder released):
+    it cannot checkpoint between updates, so it names the newest checkpoint the rerun goes on from."""
+    manifest, _, _ = generated
+    data, run = tmp_path / "epochs", tmp_path / "run"
+    gen = _generator(manifest, data, 4.0, env_with_repo)  # a shard every 4 s; its 5 steps take about a second
+    try:
+        trainer = _trainer(manifest, data, run, env_with_repo, "--follow", "--follow-timeout", "120")
+        _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(_losses(run)) >= 5, "the first shard's steps")
+        time.sleep(0.3)  # the trainer now waits for the second shard, due about 3 s from now
+        trainer.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        out, _ = trainer.communicate(timeout=60)
+        assert time.time() - t0 < 10 and trainer.returncode == 128 + signal.SIGTERM, out[-3000:]
+    finally:
+        os.killpg(gen.pid, signal.SIGKILL)
+        gen.wait()
+    assert "stopped by SIGTERM while waiting for the shards of step" in out, out[-3000:]
+    assert "newest checkpoint (" in out and not (tmp_path / ".run.lock").exists()

@@ -211,9 +211,9 @@ def test_sigterm_stops_both_ranks_after_the_same_update_with_a_checkpoint_and_re
     from train.__main__ import SLOW_ENV
     manifest, data, _ = generated
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
+    cmd = [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m", "train",
            "--manifest", str(manifest), "--data", str(data), "--out", str(run), "--set", "train.log_every=1",
-           "--set", "train.ckpt_every=1000"]
+           "--set", "train.ckpt_every=1000"]  # make train NPROC=2's launcher
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**gloo_env, SLOW_ENV: "0.5"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
@@ -222,7 +222,7 @@ def test_sigterm_stops_both_ranks_after_the_same_update_with_a_checkpoint_and_re
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0, out[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     stopped = _losses(run)[-1][0]
     assert f"train: stopped by SIGTERM after step {stopped} of" in out, out[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{stopped:08d}.pt"]

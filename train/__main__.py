@@ -16,7 +16,7 @@ from tqdm import tqdm
 from common.checkpoint import IncompatibleInputs
 from common.config import ConfigError, add_manifest_argument, add_set_argument
 from common.io import DamagedFile, DiskFull, FolderLocked
-from common.process import die_with_parent
+from common.process import die_with_parent, stop_with_launcher
 from common.sources import CorpusError
 from train.data import DataError
 from train.trainer import Stopped, train
@@ -70,13 +70,16 @@ def main(argv=None) -> int:
     if args.follow and args.follow_timeout <= 0:
         parser.error(f"--follow-timeout must be > 0 seconds, got {args.follow_timeout:g}")
     die_with_torchrun()
+    stop_with_launcher()
     try:
         train(args, after_step=test_hook())
     except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError, DiskFull) as e:
         tqdm.write(f"error: {e}", file=sys.stderr)  # on a line of its own, not after the progress bar's
         return leave(2)
-    except Stopped:
-        return 128 + signal.SIGTERM  # as if SIGTERM had ended it: a scheduler sees the run unfinished
+    except Stopped:  # as if SIGTERM had ended it, a scheduler sees the run unfinished; a shard read that was
+        sys.stdout.flush()  # still waiting for the generator is not waited for
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
     return 0
 
 

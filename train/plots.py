@@ -4,12 +4,11 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
-from common.io import atomic_path
+from common.io import atomic_path, parse_jsonl
 
 PANELS = (  # (title, metrics.jsonl keys)
     ("loss (RTD; MLM for the aux model)", ("loss", "val_loss")),
@@ -24,13 +23,7 @@ PANELS = (  # (title, metrics.jsonl keys)
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics.jsonl; a line torn by a kill or a full disk is left out."""
-    records = []
-    for line in Path(path).read_text(errors="replace").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return [r for r in records if isinstance(r, dict)]
+    return parse_jsonl(Path(path).read_text(errors="replace").splitlines())
 
 
 def plot_curves(run_dir: str | Path, name: str = "curves.png") -> Path | None:

@@ -29,14 +29,15 @@ class Progress:
 
 
 def save(ckpt_dir: Path, keep: int, progress: Progress, model, optimizer, scheduler, config: RunConfig,
-         manifest_hash: str, rank: int, world: int, device: torch.device, tokenizer_sha256: str = "") -> None:
-    """Collective (every rank calls it): gathers every rank's dropout stream, rank 0 writes. `tokenizer_sha256`:
-    the tokenizer the data was made with, so fine-tuning and export can refuse another one."""
+         manifest_hash: str, rank: int, world: int, device: torch.device, tokenizer_sha256: str = "") -> Path | None:
+    """Collective (every rank calls it): gathers every rank's dropout stream, rank 0 writes and gets the
+    file's path. `tokenizer_sha256`: the tokenizer the data was made with, so fine-tuning and export can
+    refuse another one."""
     own = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     rng_states = gather_objects(own, world)
     if rank != 0:
-        return
-    save_checkpoint({
+        return None
+    return save_checkpoint({
         "step": progress.step, "rows_consumed": progress.step * config.train.batch_size,
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "rng": rng_states, "world_size": world, "config": config_to_dict(config),

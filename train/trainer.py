@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.checkpoint import AUX_FILE, latest_checkpoint, local_aux
+from common.checkpoint import AUX_FILE, latest_checkpoint, list_checkpoints, local_aux
 from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
 from common.corpus import load_corpus_meta, local_corpus
 from common.tokenizer import Reserved, tokenizer_reserved
 from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
-from common.io import FolderLock, atomic_write_json, atomic_write_text, remove_stale_tmp
+from common.io import FolderLock, atomic_write_json, atomic_write_text, parse_jsonl, remove_stale_tmp
 from common.storage import is_remote, location
 from common.memory import preflight
 from common.model import ReplacedTokenDetector, count_parameters
@@ -189,15 +189,9 @@ def open_metrics(run_dir: Path, config: RunConfig, step: int) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir)
     path = run_dir / "metrics.jsonl"
-    kept = []
-    for line in path.read_text(errors="replace").splitlines() if path.is_file() and step else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("step", step + 1) <= step:
-            kept.append(line)
-    atomic_write_text(path, "".join(l + "\n" for l in kept))
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() and step else []
+    kept = [r for r in parse_jsonl(lines) if r.get("step", step + 1) <= step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return path
 
 
@@ -238,13 +232,15 @@ def train(args, after_step=None) -> dict:
         if removed:
             print(f"train: removed {removed} temporary file(s) a killed run left in {run_dir}")
     try:
-        return run(args, config, run_dir, rank, world, device, after_step)
+        with StopRequest() as stop:
+            return run(args, config, run_dir, rank, world, device, after_step, stop)
     finally:
         if lock:
             lock.release()
 
 
-def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: torch.device, after_step) -> dict:
+def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: torch.device, after_step,
+        stop: "StopRequest") -> dict:
     """The training loop, top to bottom."""
     tc = config.train
     mlm = tc.objective == "mlm"
@@ -332,15 +328,15 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                disable=not is_main, dynamic_ncols=True)
     t_start, tokens_seen, temps, last_plot = time.time(), 0, [math.inf, -math.inf], -math.inf
     deadline, deadline_hit = getattr(args, "deadline", 0.0), False  # Unix time; 0 = none
-    stop, stopped = StopRequest().install(), False
+    stop.armed, stopped = True, False  # from here a SIGTERM waits for the update in flight
     unread = []  # each update's "stepped" flag on the device, read at the next log, evaluation or checkpoint step
     while progress.step < total_steps and not (deadline_hit or stopped):
         step = progress.step
-        try:
-            rows = next_rows.result()  # damage found in what this rank reads stops the run here, before the update
-        except DataError:
+        try:  # damage found in what this rank reads stops the run here, before the update
+            rows = stop.wait_for(next_rows, f"the shards of step {step + 1}", ckpt_dir, is_main)
+        except (DataError, Stopped):
             bar.close()  # the error goes on a line of its own
-            reader.shutdown(cancel_futures=True)
+            reader.shutdown(wait=False, cancel_futures=True)
             raise
         next_rows = reader.submit(read_step, step + 1)
         if "temperature" in rows:  # the RTD streams: the curriculum's temperatures consumed
@@ -364,8 +360,10 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         tokens_per_s = tokens_seen / (time.time() - t_start)
         bar.update(1)
         record = None
+        # stopped: the checkpoint at once, no evaluation (torchrun's grace before its SIGKILL is 30 s)
         log_now, eval_now, ckpt_now = (step % every == 0 or final for every in (tc.log_every, tc.eval_every,
                                                                                  tc.ckpt_every))
+        eval_now = eval_now and not stopped
         if log_now or eval_now or ckpt_now or len(unread) >= tc.max_nonfinite_steps:
             # The host reads the device here only, not at every update: which updates were skipped (too many in
             # a row stop the run before anything after them is saved, at most max_nonfinite_steps updates
@@ -404,24 +402,24 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                 plot_curves(run_dir)
                 last_plot = time.time()
         if ckpt_now:
-            state.save(ckpt_dir, tc.keep_checkpoints, progress, model, optimizer, scheduler, config, manifest_hash,
-                       rank, world, device, tokenizer_sha256)
+            saved = state.save(ckpt_dir, tc.keep_checkpoints, progress, model, optimizer, scheduler, config,
+                               manifest_hash, rank, world, device, tokenizer_sha256)
         if after_step:
             after_step(step)
-    stop.uninstall()
+    stop.armed = False
     bar.close()
     reader.shutdown()
     if is_main and board:
         board.close()
     if stopped:  # not finished: no summary.json (what marks a finished run), the checkpoint says where it is
         if is_main:
+            print(f"train: stopped by SIGTERM after step {progress.step} of {total_steps}, checkpoint {saved}; "
+                  f"the same command with --resume continues", flush=True)
             plot_curves(run_dir)
-            print(f"train: stopped by SIGTERM after step {progress.step} of {total_steps}, checkpoint "
-                  f"{latest_checkpoint(ckpt_dir)[0]}; the same command with --resume continues")
         barrier(world)
         if world > 1:
             torch.distributed.destroy_process_group()
-        raise Stopped(progress.step)
+        raise Stopped()
     elapsed = time.time() - t_start
     summary = {}
     if is_main:
@@ -440,29 +438,47 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
 
 
 class Stopped(Exception):
-    """The run stopped early on SIGTERM, its checkpoint written (`StopRequest`)."""
+    """The run stopped early on SIGTERM (`StopRequest`); what it kept has been said."""
 
 
 class StopRequest:
-    """SIGTERM (a cluster's preemption, torchrun passing on its own) asks the loop to stop after the update
-    in flight, with a checkpoint, instead of losing up to `ckpt_every` updates. Only the main thread can
-    take a signal; elsewhere (a test calling `train` from a thread) nothing is installed."""
+    """SIGTERM (a cluster's preemption, torchrun passing on its own) while the loop runs (`armed`) asks it to
+    stop after the update in flight, with a checkpoint, instead of losing up to `ckpt_every` updates; before
+    and after the loop it stops the trainer at once (Stopped, so the run folder is released). Only the main
+    thread can take a signal; elsewhere (a test calling `train` from a thread) nothing is installed."""
 
     def __init__(self):
-        self.signal, self._previous = None, None
+        self.signal, self.armed, self._previous = None, False, None
 
-    def install(self) -> "StopRequest":
+    def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._ask)
         return self
 
-    def _ask(self, signum, frame) -> None:
-        self.signal = signum
-
-    def uninstall(self) -> None:
+    def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+    def _ask(self, signum, frame) -> None:
+        self.signal = signum
+        if not self.armed:
+            raise Stopped()
+
+    def wait_for(self, future, what: str, ckpt_dir: Path, say: bool):
+        """`future`'s result; a SIGTERM while it is not there (a step waiting for the generator's shards)
+        stops the trainer without a checkpoint (the ranks are not at one update), the newest one said."""
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                if self.signal is not None:
+                    if say:
+                        newest = list_checkpoints(ckpt_dir)
+                        print(f"train: stopped by SIGTERM while waiting for {what}; the newest checkpoint "
+                              f"({newest[-1] if newest else 'none yet'}) stays, the same command with --resume "
+                              f"continues from it", flush=True)
+                    raise Stopped() from None
 
 
 def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
