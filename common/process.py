@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+from common.io import _alive
+
 LAUNCHER_ENV = "FAST_ELECTRA_LAUNCHER_PID"  # set by run_child, read by stop_with_launcher
 
 
@@ -45,6 +47,10 @@ def stop_with_launcher() -> None:
     launcher = os.environ.pop(LAUNCHER_ENV, "")
     if not launcher.isdigit():
         return
-    die_with_parent(signal.SIGTERM)
-    if os.getppid() != int(launcher):  # it died before the request was made
+    if os.getppid() == int(launcher):
+        die_with_parent(signal.SIGTERM)
+        if os.getppid() == int(launcher):
+            return
+    if not _alive(int(launcher)):  # it died before the request was made
         os.kill(os.getpid(), signal.SIGTERM)
+    # else a process further down (a rank under a plain torchrun): its own parent is in charge of it

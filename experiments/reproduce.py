@@ -207,7 +207,7 @@ def pretrain(method: str, base: RunConfig, out: Path, plan: dict) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run restarts: its clock did too
     shutil.rmtree(home / "finetune", ignore_errors=True)  # fine-tuning of checkpoints that are gone
     timing.update(start=start, deadline=start + base.reproduce.budget_s, train_start=time.time())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "train",
+    cmd = [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "1", "-m", "train",
            "--manifest", str(manifest), "--out", str(run_dir), "--deadline", repr(timing["deadline"])]
     if method in OFFLINE:
         cmd += ["--data", str(home / "epochs")]

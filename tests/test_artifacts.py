@@ -241,3 +241,19 @@ def test_a_damaged_row_group_stops_the_trainer_where_it_is_read_and_a_regenerate
     losses = [[json.loads(l)["loss"] for l in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
               for r in ("run", "clean")]
     assert losses[0] == losses[1]
+
+
+def test_a_process_asked_to_stop_with_its_launcher_tells_its_launcher_from_an_ancestor(env_with_repo):
+    """`stop_with_launcher` in a process whose launcher is its parent: asks for SIGTERM at the parent's death
+    and runs on; in a process further down (a rank under a plain torchrun, the launcher alive): runs on; in
+    one whose launcher is already gone: SIGTERM at once."""
+    from common.process import LAUNCHER_ENV
+    code = "from common.process import stop_with_launcher; stop_with_launcher(); print('running')"
+    run = lambda launcher: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                          env={**env_with_repo, LAUNCHER_ENV: str(launcher)}, timeout=60)
+    assert run(os.getpid()).stdout == "running\n"  # this test's process is its parent
+    assert run(os.getppid()).stdout == "running\n"  # an ancestor, alive
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    result = run(gone.pid)
+    assert result.returncode == -signal.SIGTERM and result.stdout == ""
