@@ -52,34 +52,6 @@ def test_generation_manifest_matches_the_shards(built, generated):
     assert not list(out.rglob(".*.tmp-*"))
 
 
-def test_torchrun_two_gloo_ranks_train_on_the_shards(built, generated, tmp_path, gloo_env):
-    manifest, data, _ = generated
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=gloo_env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data_manifest = json.loads((data / "manifest.json").read_text())
-    steps = data_manifest["total_rows"] // built.train.batch_size
-    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, steps + 1))  # log_every = 1
-    for r in records:
-        assert np.isfinite(r["loss"]) and r["rows"] == [(r["step"] - 1) * 8, r["step"] * 8]
-        assert 1.0 <= r["temperature_min"] <= r["temperature_max"] <= 2.0
-    assert records[0]["temperature_max"] == 2.0
-    evals = [r for r in records if "val_auc" in r]
-    assert [r["step"] for r in evals] == sorted({*range(4, steps + 1, 4), steps})
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["dropped_tail_rows"] == data_manifest["total_rows"] - steps * 8
-    assert summary["end"]["step"] == steps and summary["temperature_consumed"][1] == 2.0
-    assert "RTD loss" in result.stdout and "recall (replaced tokens)" in result.stdout
-    assert (run / "checkpoints" / f"step-{steps:08d}.pt").is_file()
-    final = torch.load(run / "checkpoints" / f"step-{steps:08d}.pt", weights_only=True)
-    corpus_tokenizer = json.loads((built.corpus_dir / "corpus.json").read_text())["tokenizer_sha256"]
-    assert final["tokenizer_sha256"] == data_manifest["tokenizer_sha256"] == corpus_tokenizer  # recorded for export
-    assert (run / "resolved_manifest.toml").is_file()
-
-
 def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, tmp_path, gloo_env):
     """The same global batch of 8 rows as 1 rank x 1 micro-batch, 2 ranks x 2 micro-batches of 2 rows and
     1 rank x 4 micro-batches of 2 rows (accumulation derived from train.micro_batch): the same losses

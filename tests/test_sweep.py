@@ -69,7 +69,7 @@ def test_a_killed_sweep_stops_its_trainer_with_a_checkpoint_and_only_results_of_
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "experiments.sweep", "--manifest", str(sweep_manifest), "--data", str(data),
            "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env_with_repo, SLOW_ENV: "1.0"}, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env_with_repo, SLOW_ENV: "0.4"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     first, lock = out / "lr=0.001", out / ".lr=0.001.lock"
     deadline = time.time() + 120

@@ -2,6 +2,7 @@
 row ranges as an uninterrupted run, bitwise on CPU (docs/design.md, trainer contract); also
 when killed right at an epoch boundary, and for a 2-node torchrun on loopback."""
 import json
+import math
 import os
 import random
 import signal
@@ -203,17 +204,18 @@ def test_tensorboard_events_hold_the_metrics_and_a_resumed_run_logs_each_step_on
         assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(events, logged)), tag
 
 
-def test_sigterm_stops_both_ranks_after_the_same_update_with_a_checkpoint_and_resume_goes_on(generated, tmp_path,
-                                                                                             gloo_env):
-    """A cluster's preemption: SIGTERM to torchrun, which passes it on to its ranks. Both stop after one and
-    the same update, checkpoint it (none was due: ckpt_every is past the run), release the run folder and end
-    unfinished (no summary.json); --resume goes on from there to the end."""
+def test_two_gloo_ranks_stopped_by_sigterm_checkpoint_the_same_update_and_resume_to_the_end(built, generated,
+                                                                                             tmp_path, gloo_env):
+    """A cluster's preemption: SIGTERM to torchrun (`make train NPROC=2`'s launcher), which passes it on to
+    its ranks. Both stop after one and the same update, checkpoint it (none was due: ckpt_every is past the
+    run), release the run folder and end unfinished (143, no summary.json); --resume goes on from there to
+    the end, two ranks training on the shards as an uninterrupted run logs them."""
     from train.__main__ import SLOW_ENV
     manifest, data, _ = generated
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m", "train",
            "--manifest", str(manifest), "--data", str(data), "--out", str(run), "--set", "train.log_every=1",
-           "--set", "train.ckpt_every=1000"]  # make train NPROC=2's launcher
+           "--set", "train.ckpt_every=1000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**gloo_env, SLOW_ENV: "0.5"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
@@ -230,5 +232,21 @@ def test_sigterm_stops_both_ranks_after_the_same_update_with_a_checkpoint_and_re
     result = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=gloo_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"at step {stopped}" in result.stdout
-    steps = [step for step, _, _ in _losses(run)]
-    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] > stopped and (run / "summary.json").is_file()
+    data_manifest = json.loads((data / "manifest.json").read_text())
+    steps = data_manifest["total_rows"] // built.train.batch_size
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # each once, through the stop
+    for r in records:
+        assert math.isfinite(r["loss"]) and r["rows"] == [(r["step"] - 1) * 8, r["step"] * 8]
+        assert 1.0 <= r["temperature_min"] <= r["temperature_max"] <= 2.0
+    assert records[0]["temperature_max"] == 2.0
+    evals = [r["step"] for r in records if "val_auc" in r]
+    assert evals == sorted({*range(4, steps + 1, 4), steps})  # the stop skipped no evaluation that was due
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["dropped_tail_rows"] == data_manifest["total_rows"] - steps * 8
+    assert summary["end"]["step"] == steps and summary["temperature_consumed"][1] == 2.0
+    assert "RTD loss" in result.stdout and "recall (replaced tokens)" in result.stdout
+    final = torch.load(run / "checkpoints" / f"step-{steps:08d}.pt", weights_only=True)
+    corpus_tokenizer = json.loads((built.corpus_dir / "corpus.json").read_text())["tokenizer_sha256"]
+    assert final["tokenizer_sha256"] == data_manifest["tokenizer_sha256"] == corpus_tokenizer  # recorded for export
+    assert (run / "resolved_manifest.toml").is_file()

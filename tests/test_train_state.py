@@ -97,34 +97,33 @@ def test_a_rank_without_a_gpu_of_its_own_stops_with_a_clear_error(monkeypatch):
         setup_distributed()
 
 
-def _restore_on_rank(rank, tmp_path, folders, results):
+def _restore_on_rank(rank, tmp_path, results):
+    """Rank `rank` of two gloo ranks: restores from the shared folder, then with rank 1 looking elsewhere."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=rank, world_size=2)
     try:
         config = tiny_config(tmp_path)
-        model, optimizer, scheduler = _parts(config)
-        try:
-            found = state.restore(tmp_path / folders[rank], model, optimizer, scheduler, config, "data-key", "DATA",
-                                  rank, 2, torch.device("cpu"))
-            results[rank] = f"step {found[1].step}"
-        except IncompatibleInputs as e:
-            results[rank] = str(e)
+        for case, folders in (("shared", ("ckpt", "ckpt")), ("node-local", ("ckpt", "node-local"))):
+            model, optimizer, scheduler = _parts(config)
+            try:
+                found = state.restore(tmp_path / folders[rank], model, optimizer, scheduler, config, "data-key",
+                                      "DATA", rank, 2, torch.device("cpu"))
+                results[(case, rank)] = f"step {found[1].step}"
+            except IncompatibleInputs as e:
+                results[(case, rank)] = str(e)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("folders", [("ckpt", "ckpt"), ("ckpt", "node-local")])
-def test_every_rank_resumes_from_the_same_checkpoint_or_none_does(tmp_path, folders):
+def test_every_rank_resumes_from_the_same_checkpoint_or_none_does(tmp_path):
     """Two gloo ranks: on a shared run folder both resume at step 1; where rank 1 sees another folder (a
     node-local run folder: no checkpoint there) both stop with the same error instead of rank 1 starting over."""
     import torch.multiprocessing as mp
     _saved_run(tmp_path)
     (tmp_path / "node-local").mkdir()
     results = mp.Manager().dict()
-    mp.spawn(_restore_on_rank, args=(tmp_path, folders, results), nprocs=2)
-    if folders[0] == folders[1]:
-        assert dict(results) == {0: "step 1", 1: "step 1"}
-    else:
-        for rank in (0, 1):
-            assert "step-00000001.pt on rank 0; none on rank 1" in results[rank], results[rank]
-            assert "shared file system" in results[rank]
+    mp.spawn(_restore_on_rank, args=(tmp_path, results), nprocs=2)
+    assert results[("shared", 0)] == results[("shared", 1)] == "step 1"
+    for rank in (0, 1):
+        message = results[("node-local", rank)]
+        assert "step-00000001.pt on rank 0; none on rank 1" in message and "shared file system" in message, message

@@ -360,10 +360,10 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         tokens_per_s = tokens_seen / (time.time() - t_start)
         bar.update(1)
         record = None
-        # stopped: the checkpoint at once, no evaluation (torchrun's grace before its SIGKILL is 30 s)
         log_now, eval_now, ckpt_now = (step % every == 0 or final for every in (tc.log_every, tc.eval_every,
                                                                                  tc.ckpt_every))
-        eval_now = eval_now and not stopped
+        # stopped: the checkpoint at once, no evaluation but a due one (torchrun's grace before SIGKILL is 30 s)
+        eval_now = eval_now and (step % tc.eval_every == 0 or not stopped)
         if log_now or eval_now or ckpt_now or len(unread) >= tc.max_nonfinite_steps:
             # The host reads the device here only, not at every update: which updates were skipped (too many in
             # a row stop the run before anything after them is saved, at most max_nonfinite_steps updates
