@@ -173,3 +173,31 @@ def test_compact_batches_give_the_losses_of_long_and_float_ones(tmp_path):
     with torch.no_grad():
         a, b = (forward_losses(model, batch, torch.device("cpu"), False)[0] for batch in (compact, wide))
     assert torch.equal(a, b)
+
+
+def test_a_read_that_times_out_is_the_trainers_error_not_a_wait_for_sigterm(tmp_path):
+    """StopRequest.wait_for polls a step's read so a SIGTERM can end a wait for the generator; the read's own
+    TimeoutError (object storage, a network file system) must come out as the error it is, not be taken for
+    the poll's."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from train.trainer import StopRequest
+
+    def read():
+        raise TimeoutError("read timed out")
+    outcome = []
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(read)
+        waiter = threading.Thread(target=lambda: outcome.append(_raised(StopRequest().wait_for, future, "x",
+                                                                         tmp_path, False)), daemon=True)
+        waiter.start()
+        waiter.join(timeout=10)
+    assert outcome == ["TimeoutError: read timed out"]
+
+
+def _raised(fn, *args) -> str:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test names what came out
+        return f"{type(e).__name__}: {e}"
+    return "nothing"

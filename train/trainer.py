@@ -472,6 +472,8 @@ class StopRequest:
             try:
                 return future.result(timeout=1.0)
             except TimeoutError:
+                if future.done():  # the read's own TimeoutError (a network file system, object storage)
+                    raise
                 if self.signal is not None:
                     if say:
                         newest = list_checkpoints(ckpt_dir)
