@@ -94,6 +94,9 @@ def tmp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+_SWEPT: set = set()  # upload folders this process has already rid of dead writers' temporaries
+
+
 @contextmanager
 def atomic_path(path):
     """Yield a temporary path; on success fsync and rename it to `path`, else delete it. For an object
@@ -101,7 +104,9 @@ def atomic_path(path):
     if is_remote(path):
         tmp = cache_root() / "uploads" / f"{path.name}.tmp-{_host()}-{os.getpid()}-{threading.get_ident()}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        remove_dead_uploads(tmp.parent)
+        if tmp.parent not in _SWEPT:  # once per process, not at every shard's upload
+            remove_dead_uploads(tmp.parent)
+            _SWEPT.add(tmp.parent)
         try:
             yield tmp
             path.upload(tmp)
@@ -342,9 +347,8 @@ class FolderLock:
             return {}
 
     def acquire(self) -> "FolderLock":
-        import socket
         import time
-        host = socket.gethostname()
+        host = _host()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(50):
             try:

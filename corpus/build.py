@@ -32,7 +32,8 @@ from common.config import RunConfig, config_to_dict, dump_toml
 from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
 from common.storage import cache_folder, is_remote, location
 from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
-                       disk_full, file_stamp, publish_folder, read_records, remove_stale_tmp, sha256_file, tmp_path_for)
+                       disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
+                       tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, document_hash, paragraphs,
                             read_unit, source_files, work_units)
@@ -374,8 +375,8 @@ def _train_tokenizer(scans, keeps, valids, config: RunConfig, staging: Path, log
 
 def _staged_key(staging: Path) -> str | None:
     try:
-        return json.loads((staging / "key.json").read_text()).get("key")
-    except (OSError, ValueError, AttributeError):
+        return read_json(staging / "key.json", ("key",))["key"]
+    except (OSError, DamagedFile):
         return None
 
 
