@@ -148,6 +148,39 @@ def test_chunked_logits_give_the_loss_and_gradients_of_all_logits_at_once(built,
         torch.testing.assert_close(grad, results[1][2][name], rtol=1e-5, atol=1e-6)
 
 
+def test_under_torch_compile_the_aux_model_stops_recompiling_when_the_masked_count_changes(built, monkeypatch):
+    """`[train] compile` ("auto": on a GPU) wraps `make aux`'s model: batches whose rows differ in length
+    differ in masked positions, and the chunked loss's loop over them was traced into one graph per count
+    (torch gives up compiling after 8). Counted through a backend that only counts: the graphs stop at a
+    dynamic shape, and the losses are eager's."""
+    import train.mlm as mlm
+    from common.corpus import SplitRows
+    monkeypatch.setattr(mlm, "LOGIT_CHUNK_ENTRIES", 5 * built.tokenizer.vocab_size)  # several chunks per batch
+    rows = SplitRows(built.corpus_dir, "train")
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch.manual_seed(0)
+    model = mlm.MLMObjective(dataclasses.replace(built.model, dropout=0.0), built.tokenizer.vocab_size, 2)
+    compiled = torch.compile(model, backend=counting, dynamic=None)
+    counts = set()
+    text = np.concatenate([rows[i] for i in range(100)])
+    for i, length in enumerate((32, 27, 20, 14, 8, 30, 24, 17, 11, 32)):  # 4 rows: 4 x 1 to 4 x 5 masked
+        batch = mlm.mlm_tensors({"input_ids": [text[(4 * i + j) * 32:][:length - j] for j in range(4)],
+                                 "row_id": np.arange(4) + 4 * i, "epoch": np.zeros(4, int)}, built.seed, 0.15)
+        counts.add(len(batch["targets"]))
+        inputs = [batch[k] for k in mlm.MLM_INPUTS]
+        loss, hits = compiled(*inputs)
+        loss.backward()
+        expected, expected_hits = model(*inputs)
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-5)
+        assert int(hits) == int(expected_hits)
+    assert len(counts) >= 7 and len(graphs) <= 3, (sorted(counts), len(graphs))
+
+
 def test_a_micro_batch_that_does_not_fit_stops_make_aux_before_any_work(built, tmp_path, env_with_repo):
     manifest, _ = aux_manifest(built, tmp_path)
     env = {**env_with_repo, "FAST_ELECTRA_MEMORY_BYTES": str(300 * 2**20)}  # less than the process alone

@@ -63,7 +63,13 @@ class MLMObjective(MaskedLM):
 
     def forward(self, masked_ids, attention_mask, masked_index, targets):
         """`masked_index`: the masked positions as flat indices (`mlm_tensors`), `targets` the originals there."""
-        hidden = at_positions(self.encoder(masked_ids, attention_mask), masked_index)
+        return self._losses(at_positions(self.encoder(masked_ids, attention_mask), masked_index), targets)
+
+    # Left out of torch.compile (`[train] compile`): a loop over the masked positions' count would be traced
+    # into one graph per count, and that count changes with the rows' lengths (a recompile at every batch
+    # until torch gives up on compiling). The encoder before it is compiled; this is matrix products.
+    @torch.compiler.disable
+    def _losses(self, hidden, targets):
         step = chunk_positions(self.head.bias.numel())
         loss, hits = hidden.new_zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.long, device=hidden.device)
         for start in range(0, len(targets), step):
