@@ -167,7 +167,7 @@ def generation_seconds_per_update(config, data_dir: Path, device: torch.device, 
     """What generate/ spends per update's worth of rows: Corruptor (mask, aux, sample, label) + Parquet write."""
     from common.corrupt import Corruptor
     g = config.generate
-    corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device.type)
+    corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=str(device))
     stream = OnlineStream(config, config.corpus_dir, None)
     b = config.train.batch_size
     times = []

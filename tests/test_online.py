@@ -45,3 +45,28 @@ def test_trainer_runs_the_fast_online_objective(built, generated, tmp_path, env_
                                  eval_every=4, ckpt_every=4)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in records)
     assert "val_auc" in records[-1] and "fast-online from" in result.stdout
+
+
+def test_each_rank_corrupts_on_its_own_gpu_named_by_index(built, generated, monkeypatch):
+    """fast-online and electra under several GPUs: the frozen aux model also runs on the trainer's reader
+    thread, where a bare "cuda" means cuda:0 (torch.cuda.set_device holds for the thread that called it), so
+    rank 1 would load the model on cuda:1 and send its inputs to cuda:0. The trainer names the device with
+    its index. (Stopped at the call: no second GPU here.)"""
+    import dataclasses
+    from types import SimpleNamespace
+    import train.online
+    from train.trainer import open_streams
+    seen = []
+
+    def called(config, corpus_dir, aux_path, device, corrupt=True):
+        seen.append((device, corrupt))
+        raise RuntimeError("stopped at the call")
+
+    monkeypatch.setattr(train.online, "online_streams", called)
+    config = load_manifest(generated[0])
+    args = SimpleNamespace(corpus=str(built.corpus_dir), aux=str(built.aux_dir / AUX_FILE))
+    for objective in ("fast-online", "electra"):
+        with pytest.raises(RuntimeError, match="stopped at the call"):
+            open_streams(dataclasses.replace(config, train=dataclasses.replace(config.train, objective=objective)),
+                         args, torch.device("cuda", 1))
+    assert seen == [("cuda:1", True), ("cuda:1", False)]

@@ -95,7 +95,8 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
     # fast-online: the same rows, corrupted in the loop by the frozen aux model; electra: by the generator
     from train.online import online_streams
     aux_path = local_aux(location(args.aux) if getattr(args, "aux", None) else config.aux_dir / AUX_FILE)
-    stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, device.type,
+    # the rank's own GPU by index: the corruptor also runs on the reader thread, whose current device is cuda:0
+    stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, str(device),
                                                               corrupt=objective_name == "fast-online")
     prior = config.generate.mask_prob  # nearly every masked position is replaced (shards: ~0.99)
     return (stream, valid, vocab_size, prior, manifest_hash, f"{objective_name} from {corpus_dir} (validation rows by "
