@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -295,11 +296,12 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
                 faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     seconds = {name: statistics.median(t) for name, t in times.items()}
     faults = {name: faults[name] / len(times[name]) for name in MODES}
-    del modes
+    del modes, mode  # the loop's last mode too: its model and optimizer would count in every peak below
 
     memory = {}
     if device.type == "cuda":
         for name in MODES:
+            gc.collect()  # the mode measured before, reference cycles included
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             runner = Mode(name, config, data_dir, device, vocab, aux_path)

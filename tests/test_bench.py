@@ -84,6 +84,7 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     calls it) with the objective each stands for, and their one-micro-batch figure `train.trainer.accumulate`;
     each names the attention backend it ran. Run here on the CPU at a tiny shape: the same functions the GPU
     run calls, only the device differs."""
+    import gc
     from bench import gpu
     from tests.conftest import tiny_config
     config = tiny_config(tmp_path)
@@ -99,8 +100,13 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     assert mfu["tokens_per_update"] == 2 * 3 * 32 and mfu["model_flops_per_update"] > 0
     assert mfu["seconds_per_update"] > 0 and mfu["seconds_per_micro_batch_fwd_bwd"] > 0
     calls.clear()
+    live = []  # parameters alive at each reset of the peak: electra's peak must not hold fast-offline's model
+    real_reset = gpu.reset_peak_memory
+    monkeypatch.setattr(gpu, "reset_peak_memory", lambda device: (
+        real_reset(device), live.append(sum(type(o) is torch.nn.Parameter for o in gc.get_objects()))))
     efficiency = gpu.measure_efficiency(config, rows=2, accum=1, steps=2, device=cpu)
     assert calls == [("fast-offline", 1)] * 4 + [("electra", 1)] * 4
+    assert len(live) == 2 and live[1] == live[0], live
     assert efficiency["offline_vs_electra_time"] > 0 and efficiency["offline_vs_electra_memory"] > 0
     # the attention backend, named from the profiler: on CPU the fused kernel refuses a bias that needs a
     # gradient (the trainer's relative-position bias), so training runs the math path; the aux model's
