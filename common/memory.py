@@ -94,7 +94,10 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     smaller of MemAvailable and the cgroup's limit less its usage, shared by the ranks on this machine."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return float(free), f"free memory of {torch.cuda.get_device_name(device)}"
+        # blocks this process's caching allocator holds but no tensor uses (fast-online and electra corrupt
+        # their validation rows on the GPU before the check) are the device's to give: free for this run
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(free + cached), f"free memory of {torch.cuda.get_device_name(device)}"
     available, source = _meminfo_available(), "available RAM (MemAvailable)"
     limit = _cgroup_room()
     if limit is not None and limit < available:
