@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -353,7 +354,8 @@ def main(argv=None) -> int:
             result[part] = measures[part]()
         except Exception as e:  # noqa: BLE001 -- reported in the results, and the exit code says so
             errors[part] = f"{type(e).__name__}: {e}"[:2000]
-            print(f"bench.gpu: {part} failed: {errors[part]}", file=sys.stderr, flush=True)
+            # the whole traceback where it can be read: a GPU is lent rarely, a rerun to see it costs its time
+            print(f"bench.gpu: {part} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
             continue
         if part.startswith("mfu"):
