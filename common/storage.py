@@ -17,6 +17,7 @@ What object storage cannot do, and what stands in for it (docs/design.md, object
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -211,15 +212,29 @@ def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None 
     """`local`, holding `remote`'s bytes: downloaded (to a temporary name, then renamed) and checked against
     `size` and `sha256`, then reused while a stamp beside it (`NAME.stamp`: the sha256 it was checked against,
     or without one the object's modification time, and the local file's size and time) still holds."""
-    from common.io import atomic_path, atomic_write_text, sha256_file
+    from common.io import atomic_write_text
     stamp_path = local.with_name(local.name + ".stamp")
     source = sha256 or f"object modified {remote.stat().st_mtime_ns}"  # small files without a recorded sha256
 
     def stamp() -> str:
         return json.dumps([source, local.stat().st_size, local.stat().st_mtime_ns])
 
-    if local.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp() and local.stat().st_size == size:
-        return local
+    local.parent.mkdir(parents=True, exist_ok=True)
+    # One process of this machine downloads, the others wait for it and reuse its copy: a node's Ray actors
+    # start together, and each fetched the whole corpus to a temporary of its own (8 GPUs: 8x the traffic
+    # and the disk). The kernel releases the lock with its holder, a killed one included.
+    with open(local.with_name(local.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if local.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp() \
+                and local.stat().st_size == size:
+            return local
+        _download(remote, local, size, sha256)
+        atomic_write_text(stamp_path, stamp())
+    return local
+
+
+def _download(remote: "ObjectPath", local: Path, size: int, sha256: str | None) -> None:
+    from common.io import atomic_path, sha256_file
     with atomic_path(local) as tmp:
         with remote.fs.open_input_stream(remote.key) as src, open(tmp, "wb") as out:
             while block := src.read(8 << 20):
@@ -228,5 +243,3 @@ def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None 
         if got != size or (sha256 and sha256_file(tmp) != sha256):
             raise OSError(f"{remote}: downloaded {got} bytes whose size or sha256 differ from its record "
                           f"({size} bytes); the object was replaced or damaged")
-    atomic_write_text(stamp_path, stamp())
-    return local

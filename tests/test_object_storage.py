@@ -212,6 +212,31 @@ def test_a_cached_copy_is_reused_only_while_its_stamp_holds(s3, tmp_path):
         local_copy(remote, tmp_path / "other.bin", 1000, sha(first))  # the record says what is no longer there
 
 
+def test_processes_of_one_machine_download_a_file_once_and_share_it(s3, tmp_path):
+    """A node's Ray actors start together and each asks `local_copy` for the whole corpus: one downloads, the
+    others wait for it and take its copy (each sees the same file, where before each renamed one of its own
+    into place: 8 GPUs, 8 downloads)."""
+    import hashlib
+    client, _ = s3
+    body = os.urandom(24 << 20)
+    client.put_object(Bucket=BUCKET, Key="shared/part.bin", Body=body)
+    local, go = tmp_path / "cache" / "part.bin", tmp_path / "go"
+    script = (f"import os, sys, time\nfrom pathlib import Path\nfrom common.storage import local_copy, location\n"
+              f"Path({str(tmp_path)!r}, f'ready-{{os.getpid()}}').touch()\n"
+              f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+              f"path = local_copy(location('s3://{BUCKET}/shared/part.bin'), Path({str(local)!r}), {len(body)}, "
+              f"{hashlib.sha256(body).hexdigest()!r})\nprint(path.stat().st_ino)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(3)]
+    deadline = time.time() + 60
+    while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    go.touch()  # all three at once
+    inodes = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(inodes) == 1 and local.read_bytes() == body, inodes
+
+
 def test_a_corpus_upload_killed_midway_is_finished_by_the_rerun_without_building_or_putting_again(s3, generated,
                                                                                                   tmp_path):
     """kill -9 of `python -m corpus --out s3://...` while it uploads (throttled): the rerun finds the build done
