@@ -40,6 +40,7 @@ from common.corpus import SplitRows, load_corpus_meta, load_split
 from common.io import atomic_write_json, atomic_write_text
 from common.plan import plan_tasks
 from common.corrupt import Corruptor
+from common.shards import PLAN_FILE
 from generate.worker import ShardWriter
 
 RESULTS = Path("bench/results")
@@ -92,6 +93,7 @@ def worker_scaling(config, corpus_dir: Path, aux_path: Path, rows_per_epoch: int
             "zstd_level": g.zstd_level}
     for workers in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / PLAN_FILE).write_text("{}\n")  # what each actor looks for to know it sees the folder
             t0 = time.perf_counter()
             records = run_tasks(tasks, workers, {**args, "out_dir": tmp}, Path(tmp))
             seconds = time.perf_counter() - t0

@@ -4,6 +4,11 @@ from __future__ import annotations
 import os
 
 
+class NodeProblem(RuntimeError):
+    """What keeps a Ray worker from working on its node (a folder it does not see, a GPU its torch cannot
+    use): raised by the worker's task, and by the driver as this one line instead of Ray's traceback."""
+
+
 def start_ray(address: str | None, workers: int, env_names: tuple[str, ...] = ()) -> None:
     """Join the cluster at `address`, or start a local Ray with `workers` CPUs (and this machine's GPUs).
     `env_names`: environment variables the workers must see (the tests' fault injection)."""
@@ -24,3 +29,12 @@ def default_workers() -> int:
     """One worker per GPU, else one per core."""
     import torch
     return torch.cuda.device_count() or os.cpu_count() or 1
+
+
+def cluster_size(address: str | None, resource: str) -> int:
+    """How many of `resource` ("CPU", "GPU") the Ray cluster at `address` holds, joined here: a job's workers
+    when none are asked for (this machine's own count would leave the other nodes idle). Starts Ray."""
+    import ray
+    start_ray(address, 0)
+    return int(ray.cluster_resources().get(resource, 0))
+

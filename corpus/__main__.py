@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     parser.add_argument("--source", default=None,
                         help="override [corpus] source: a file or folder of .txt(.gz), .jsonl(.gz), .parquet")
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/corpus)")
-    parser.add_argument("--workers", type=int, default=None, help="Ray workers (default: one per core)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="Ray workers (default: one per core of this machine, or of the --address cluster)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="join this Ray cluster")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical corpus exists")
     args = parser.parse_args(argv)
@@ -32,9 +33,10 @@ def main(argv=None) -> int:
         config = load_manifest(args.manifest, args.sets)
         if args.source:
             config.corpus.source = args.source
-        workers = args.workers if args.workers is not None else os.cpu_count() or 1
-        if workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {workers}")
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+        # joining a cluster: its cores, counted once Ray is up (0 here)
+        workers = args.workers if args.workers is not None else 0 if args.address else os.cpu_count() or 1
         out = location(args.out) if args.out else config.corpus_dir
         if not args.force and corpus_is_current(config, out, config.corpus.source):
             print(f"corpus: {out} is up to date")

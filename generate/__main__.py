@@ -15,7 +15,7 @@ from common.config import ConfigError, add_manifest_argument, add_set_argument, 
 from common.io import DamagedFile, DiskFull, FolderLocked
 from common.sources import CorpusError
 from common.storage import location
-from common.parallel import default_workers
+from common.parallel import NodeProblem, default_workers
 from generate.generator import OutputConflict, generate
 
 
@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     add_manifest_argument(parser)
     add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/epochs)")
-    parser.add_argument("--workers", type=int, default=None, help="actors (default: one per GPU, else per core)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="actors (default: one per GPU, else per core, of this machine or of the --address cluster)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="join this Ray cluster")
     parser.add_argument("--force", action="store_true", help="replace an output folder of another generation")
     parser.add_argument("--verify", action="store_true",
@@ -34,16 +35,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_manifest(args.manifest, args.sets)
-        workers = args.workers if args.workers is not None else default_workers()
-        if workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {workers}")
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+        # joining a cluster: its GPUs (or cores), counted once Ray is up (0 here)
+        workers = args.workers if args.workers is not None else 0 if args.address else default_workers()
         # folders or object storage URIs (s3://bucket/prefix: common/storage.py)
         out = location(args.out) if args.out else config.epochs_dir
         corpus = location(args.corpus) if args.corpus else config.corpus_dir
         aux = location(args.aux) if args.aux else config.aux_dir / AUX_FILE
         generate(config, out, corpus, aux, workers, args.address, args.force, verify=args.verify)
     except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError, FolderLocked,
-            DamagedFile, DiskFull) as e:
+            DamagedFile, DiskFull, NodeProblem) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -23,6 +23,7 @@ from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
 from common.io import (DamagedFile, FolderLock, atomic_write_json, file_stamp, read_json, remove_stale_tmp,
                        sha256_file)
 from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA
+from common.parallel import cluster_size
 from common.sources import CorpusError
 from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
 from common.corrupt import needs_term_counts
@@ -227,6 +228,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
         # fp32 on CPU, so finishing a GPU folder on CPU (or the reverse) would make rows depend on where each
         # shard ran (docs/design.md, determinism). Refused; --force redoes the other kind's shards here.
         device = actor_device(address, workers)
+        workers = workers or cluster_size(address, "GPU" if device == "cuda" else "CPU")  # none asked: the cluster's
         other = sorted({r["device"] for r in done.values() if r.get("device", device) != device})
         if other and not force:
             raise OutputConflict(f"{out_dir} holds shards made on {' and '.join(other)} and this run's workers would "

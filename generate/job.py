@@ -10,6 +10,7 @@ every row's randomness is seeded from (seed, epoch, row id).
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -20,9 +21,10 @@ import torch
 from tqdm import tqdm
 
 from common.io import DiskFull, append_record, file_stamp, read_records
-from common.parallel import start_ray as common_start_ray
+from common.corpus import CORPUS_META
+from common.parallel import NodeProblem, start_ray as common_start_ray
 from common.plan import ShardTask
-from common.shards import PROGRESS_FILE
+from common.shards import PLAN_FILE, PROGRESS_FILE
 from common.storage import location
 # Fault injection for tests (real process deaths, not mocks):
 FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # path of a marker file; the first task's process dies
@@ -34,13 +36,16 @@ class ShardActor:
     def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
                  batch_tokens: int, threads: int, zstd_level: int, curriculum: dict | None = None,
                  row_group_rows: int = 0):
+        self.problem = node_problem(out_dir, corpus_dir, aux_path)
+        if self.problem:  # said by the first task (an error here would have Ray restart the actor, then a trace)
+            return
         from common.checkpoint import local_aux
         from common.corpus import SplitRows, local_corpus, term_counts
         from common.corrupt import Corruptor, needs_term_counts
         from generate.worker import ShardWriter
         corpus_dir, aux_path = local_corpus(corpus_dir), local_aux(aux_path)  # this machine's copies
         torch.set_num_threads(threads)
-        device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+        device = "cuda" if ray.get_gpu_ids() else "cpu"
         curriculum = dict(curriculum or {})  # distribution, augmentation, soh_alpha (GenerateConfig)
         if needs_term_counts(curriculum.get("distribution", "aux"), curriculum.get("augmentation", "temperature")):
             curriculum["term_counts"] = term_counts(corpus_dir)  # stored beside the corpus by the driver
@@ -51,6 +56,8 @@ class ShardActor:
         self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time
 
     def run(self, task: ShardTask) -> dict:
+        if self.problem:
+            raise NodeProblem(self.problem)
         time.sleep(float(os.environ.get(SLOW_ENV, "0")))
         marker = os.environ.get(FAIL_ONCE_ENV)
         if marker and not os.path.exists(marker):
@@ -59,6 +66,23 @@ class ShardActor:
         record = self.writer(task, self.device_lock)
         stamp = file_stamp(self.writer.out_dir / task.path)  # in place now: a restart trusts it as it is
         return {**record, "device": self.device, "stamp": stamp}
+
+
+def node_problem(out_dir: str, corpus_dir: str, aux_path: str) -> str | None:
+    """Why an actor cannot work on this node, if it cannot: the driver's folders (paths or URIs) not seen
+    here (every node must see them: a shared file system, or object storage), or a GPU Ray handed it that
+    this node's torch cannot use (its shards would be fp32 CPU rows in a folder of bf16 GPU ones)."""
+    host = socket.gethostname()
+    for what, path, name in (("output folder", out_dir, PLAN_FILE), ("corpus", corpus_dir, CORPUS_META),
+                             ("aux model", aux_path, None)):
+        seen = location(path) / name if name else location(path)
+        if not seen.is_file():
+            return (f"the {what} {path} is not there as seen from Ray node {host} ({seen} missing): every node "
+                    f"must see the driver's folders at the same paths (a shared file system), or use object storage")
+    if ray.get_gpu_ids() and not torch.cuda.is_available():
+        return (f"Ray gave an actor GPU {ray.get_gpu_ids()} on {host}, but torch {torch.__version__} there sees no "
+                f"CUDA device (a CPU-only build, or the driver): install a CUDA build of torch on that node")
+    return None
 
 
 def read_progress(out_dir) -> dict[str, dict]:
@@ -99,10 +123,12 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
     tokens, t0 = 0, time.time()
     bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)
     try:
-        idle = [actor for actor in actors for _ in range(depth)]  # one slot per task in flight
+        # one slot per task in flight, taken in turn: the first tasks (the validation shard, epoch 0's first
+        # shards: the trainer's first steps) go one to each device, not two to one while others wait
+        idle = deque(actor for _ in range(depth) for actor in actors)
         while queue or pending:
             while queue and idle:
-                actor = idle.pop()
+                actor = idle.popleft()
                 task = queue.popleft()
                 pending[actor.run.remote(task)] = actor
             done, _ = ray.wait(list(pending), num_returns=1)
@@ -110,8 +136,12 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
             try:
                 record = ray.get(done[0])
             except ray.exceptions.RayTaskError as e:  # a full disk under an actor: its one line, not Ray's trace
-                if isinstance(getattr(e, "cause", None), DiskFull):
-                    raise DiskFull(e.cause.errno, str(e.cause)) from None
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, (DiskFull, NodeProblem)):
+                    # the other actors' copies of it, never fetched, are not printed by Ray after that line
+                    os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
+                    raise (DiskFull(cause.errno, str(cause)) if isinstance(cause, DiskFull) else
+                           NodeProblem(str(cause))) from None
                 raise
             append_progress(out_dir, record)
             records.append(record)

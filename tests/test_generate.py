@@ -1,12 +1,13 @@
 """The generator without Ray: the pure corruption function, the plan, and input checks."""
 import json
+import os
 
 import numpy as np
 import pytest
 import ray
 
 from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs
-from common.config import GenerateConfig
+from common.config import GenerateConfig, dump_toml
 from common.corpus import load_split
 from common.curriculum import num_to_mask
 from tests.conftest import temperature_at
@@ -84,3 +85,52 @@ def test_bad_inputs_are_refused_before_ray_starts(built, tmp_path):
         generate(built, out, built.corpus_dir, built.aux_dir / AUX_FILE, workers=1)
     assert not ray.is_initialized()
     assert sorted(p.name for p in out.iterdir()) == ["plan.json"]  # nothing written
+
+
+@pytest.mark.slow
+def test_an_actor_that_cannot_work_on_its_node_stops_the_run_with_one_line(built, tmp_path):
+    """A node that does not see the driver's folders (a node-local --out), or that holds a GPU its torch
+    cannot use (a CPU-only build: before, it wrote fp32 CPU shards into a folder of bf16 GPU ones), stops the
+    run with one line naming the node and what is wrong, not a restarted actor and Ray's traceback. Joining a
+    cluster without --workers starts an actor per GPU of the cluster (it was this machine's count: 2 cores here,
+    so 2 actors; the idle nodes' GPUs unused). Real Ray actors; the cluster is the Ray this process started,
+    told it has 3 GPUs (this machine's torch has no CUDA)."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(built))
+    script = f"""
+import sys
+from pathlib import Path
+import ray
+ray.init(num_cpus=3, num_gpus=3, include_dashboard=False, logging_level="ERROR")
+from common.config import load_manifest
+from common.parallel import NodeProblem
+from common.plan import plan_tasks
+from generate.generator import generate
+from generate.job import run_tasks
+config = load_manifest({str(manifest)!r})
+g = config.generate
+args = dict(aux_path={str(built.aux_dir / AUX_FILE)!r}, corpus_dir={str(built.corpus_dir)!r}, seed=config.seed,
+            mask_prob=g.mask_prob, batch_tokens=g.batch_tokens, threads=1, zstd_level=1)
+task = plan_tasks(100, 0, g, config.seed)[:1]
+out = {str(tmp_path / "node-local")!r}  # a folder the driver wrote no plan.json in: what another node sees
+try:
+    run_tasks(task, 1, dict(args, out_dir=out), Path(out))
+except NodeProblem as e:
+    print("unseen |", e)
+import generate.__main__ as cli  # --address: Ray is up already, so this process's cluster is the one joined
+sys.exit(cli.main(["--manifest", {str(manifest)!r}, "--out", {str(tmp_path / "epochs")!r}, "--address", "joined"]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    said = dict(line.split(" | ", 1) for line in result.stdout.splitlines() if " | " in line)
+    assert set(said) == {"unseen"}, result.stdout + result.stderr[-3000:]
+    assert f"the output folder {tmp_path / 'node-local'} is not there as seen from Ray node" in said["unseen"]
+    assert "plan.json missing" in said["unseen"] and "shared file system" in said["unseen"]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "to run on 3 worker(s)" in result.stdout, result.stdout
+    (error,) = [line for line in result.stderr.splitlines() if "Ray gave" in line]  # once, not per actor
+    assert error.startswith("error: Ray gave an actor GPU [") and "sees no CUDA device" in error, result.stderr[-3000:]
+    assert not list((tmp_path / "epochs").glob("*.parquet"))  # no CPU shard in what would be a GPU folder
