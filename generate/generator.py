@@ -271,9 +271,14 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
         "epochs": epochs,
         "valid": valid,
         "devices": sorted({r.get("device", "?") for r in all_records}),
+        "device_models": sorted({r["device_model"] for r in all_records if "device_model" in r}),
         "seconds": seconds,
     }
     atomic_write_json(manifest_path, manifest)
+    if len(manifest["device_models"]) > 1:  # allowed (a cluster of mixed nodes), said
+        log(f"generate: note: {out_dir}'s shards were made on {len(manifest['device_models'])} device models "
+            f"({'; '.join(manifest['device_models'])}): their kernels may round differently, so a shard's rows "
+            f"are those of its model's run, not of a one-model run (docs/design.md, determinism)")
     tokens = sum(r["tokens"] for r in records)
     t_all = [e["temperature_min"] for e in epochs] + [e["temperature_max"] for e in epochs]
     top1 = f", aux top-1 {epochs[0]['aux_top1']:.3f}" if config.generate.distribution == "aux" else ""

@@ -52,7 +52,7 @@ class ShardActor:
         corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device, **curriculum)
         rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # memory-mapped
         self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level, row_group_rows)
-        self.device = device
+        self.device, self.device_model = device, device_model(device)
         self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time
 
     def run(self, task: ShardTask) -> dict:
@@ -65,7 +65,16 @@ class ShardActor:
             os._exit(1)  # a real process death mid-task, not an exception
         record = self.writer(task, self.device_lock)
         stamp = file_stamp(self.writer.out_dir / task.path)  # in place now: a restart trusts it as it is
-        return {**record, "device": self.device, "stamp": stamp}
+        return {**record, "device": self.device, "device_model": self.device_model, "stamp": stamp}
+
+
+def device_model(device: str) -> str:
+    """What a shard's numbers depend on beyond the device kind: the GPU model and compute capability, or the
+    vector instructions torch's CPU kernels use (either picks other kernels, which may round differently)."""
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return f"CPU ({torch.backends.cpu.get_cpu_capability()} kernels)"
 
 
 def node_problem(out_dir: str, corpus_dir: str, aux_path: str) -> str | None:

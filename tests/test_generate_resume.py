@@ -119,6 +119,30 @@ def test_damaged_shard_is_detected_and_regenerated(reference):
     assert "complete and verified" in result.stdout
 
 
+def test_a_folder_made_on_two_device_models_says_so_and_lists_them(reference, tmp_path):
+    """Each record names the model its shard's kernels came from (GPU and compute capability, or the CPU
+    kernels' vector instructions). A folder of one kind made on two models (a cluster of mixed nodes) is
+    allowed, its manifest lists both and the run says so; no shard is redone (no Ray started)."""
+    from common.config import load_manifest
+    from common.checkpoint import AUX_FILE
+    from generate.generator import generate
+    manifest, folder, expected = reference
+    out = shutil.copytree(folder / "one_worker", tmp_path / "mixed")
+    progress = out / "progress.jsonl"
+    records = [json.loads(line) for line in progress.read_text().splitlines()]
+    (model,) = {r["device_model"] for r in records}
+    assert model.startswith("CPU (") and model.endswith(" kernels)") or " (sm_" in model, model
+    other = "CPU (AVX2 kernels)" if model != "CPU (AVX2 kernels)" else "CPU (AVX512 kernels)"
+    progress.write_text("".join(json.dumps({**r, "device_model": other} if i % 2 else r) + "\n"
+                                for i, r in enumerate(records)))  # every other shard as another machine wrote it
+    (out / "manifest.json").unlink()
+    config, logged = load_manifest(manifest), []
+    written = generate(config, out, config.corpus_dir, config.aux_dir / AUX_FILE, 1, log=logged.append)
+    assert written["device_models"] == sorted([model, other]) and _hashes(out) == expected
+    (note,) = [line for line in logged if "device models" in line]
+    assert "made on 2 device models" in note and model in note and other in note
+
+
 def test_shards_of_another_device_are_not_mixed_in(reference, tmp_path):
     """A folder whose finished shards came from GPU actors (bf16) is not completed by CPU actors (fp32),
     nor the other way round: the run stops before touching a shard; --force redoes those shards here."""
