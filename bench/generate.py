@@ -115,7 +115,7 @@ def unigram_entropy_bytes(corpus_dir: Path, vocab_size: int) -> float:
 
 def replicate_corpus(corpus_dir: Path, out_dir: Path, times: int) -> Path:
     """A corpus folder whose training split is `times` copies of the original (same tokenizer): every
-    training part's memory-mapped token and offset files copied `times` times under new names."""
+    training part's token and offset files copied `times` times under new names."""
     shutil.copytree(corpus_dir, out_dir)
     meta = json.loads((out_dir / "corpus.json").read_text())
     parts, rows = [], meta["train"]["rows"]
@@ -206,7 +206,7 @@ def sampling_peaks(tmp: Path, manifest: str) -> dict:
 
 def long_rows(corpus_dir: Path, out_dir: Path, row_tokens: int = ROW_TOKENS) -> Path:
     """A corpus folder whose training split is the original's token stream cut into rows of `row_tokens`
-    ([CLS] ... [SEP], the paper's row length), in one memory-mapped part as the actors read it."""
+    ([CLS] ... [SEP], the paper's row length), in one part as the actors read it."""
     shutil.copytree(corpus_dir, out_dir)
     meta = json.loads((out_dir / "corpus.json").read_text())
     inner = np.concatenate([r[1:-1] for r in load_split(corpus_dir, "train")])

@@ -4,7 +4,7 @@ A corpus folder holds, per work unit U of the source (`corpus/build.py`):
     tokenizer.model, tokenizer.json      SentencePiece BPE model and its sha256
     train/part-UUUUU.parquet             CORPUS_SCHEMA rows of the unit's training documents, in order
     train/part-UUUUU.tokens.npy          the same rows flat: int32 tokens and int64 row offsets, for
-    train/part-UUUUU.offsets.npy         memory-mapped random access (what the generator's actors read)
+    train/part-UUUUU.offsets.npy         random access by position (what the generator's actors read)
     valid/part-UUUUU.*                   the same for the held-out documents
     documents/part-UUUUU.parquet         doc_id, name, split and length of every kept document
     train.term_counts.npy                int64 count of every token id in the train split (paper 5.1)
@@ -14,7 +14,12 @@ A split's row i is row i - row_start of the part whose range holds it.
 """
 from __future__ import annotations
 
+import bisect
 import json
+import os
+import resource
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -28,27 +33,28 @@ TERM_COUNTS_FILE = "train.term_counts.npy"
 
 
 class SplitRows:
-    """Rows of one split, memory-mapped: `rows[i]` is row i as an int32 array, read on demand from
-    the part that holds it. Memory stays flat in corpus size (only touched pages are read, plus
-    one offsets array per part); sizes are checked on open."""
+    """Rows of one split: `rows[i]` is row i as an int32 array, read on demand from the part that holds it
+    with two positional reads (its two offsets, then its tokens). Nothing grows with the corpus but the
+    parts' row starts: a part's files are opened when a row of it is first read, and at most `open_parts`
+    parts stay open (the least recently read closed first). Memory maps of every part held two file
+    descriptors and two maps per part: at 1 TB (about 15,000 parts a split) past Ray's 65,536 files and
+    Linux's 65,530 maps per process. Sizes are checked here; each file's header when it is opened.
+    Safe to read from several threads (a generator actor's tasks in flight)."""
 
-    def __init__(self, corpus_dir: str | Path, split: str):
+    def __init__(self, corpus_dir: str | Path, split: str, open_parts: int = 0):
         meta = load_corpus_meta(corpus_dir)[split]
-        self.tokens, self.offsets = [], []
-        for part in meta["parts"]:
-            arrays = {}
+        self.corpus_dir, self.parts = Path(corpus_dir), meta["parts"]
+        for part in self.parts:
             for kind in ("tokens", "offsets"):
                 record = part["flat"][kind]
-                path = Path(corpus_dir) / record["path"]
+                path = self.corpus_dir / record["path"]
                 if not path.is_file() or path.stat().st_size != record["bytes"]:
                     raise CorpusError(f"{path} is missing or has another size than corpus.json says; rebuild the corpus")
-                arrays[kind] = np.load(path, mmap_mode="r")
-            if len(arrays["offsets"]) != part["rows"] + 1:
-                raise CorpusError(f"{corpus_dir}: {part['path']} offsets hold {len(arrays['offsets']) - 1} rows, "
-                                  f"corpus.json says {part['rows']}")
-            self.tokens.append(arrays["tokens"])
-            self.offsets.append(arrays["offsets"])
-        self.row_starts = np.asarray([p["row_start"] for p in meta["parts"]] + [meta["rows"]], dtype=np.int64)
+        self.row_starts = np.asarray([p["row_start"] for p in self.parts] + [meta["rows"]], dtype=np.int64)
+        self._starts = self.row_starts.tolist()  # bisect on a list: a numpy search per row costs more than a read
+        self.open_parts = open_parts or _open_parts_allowed()
+        self._open: OrderedDict[int, tuple] = OrderedDict()  # part -> (tokens (fd, start), offsets (fd, start))
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self.row_starts[-1])
@@ -56,9 +62,82 @@ class SplitRows:
     def __getitem__(self, i: int) -> np.ndarray:
         if not 0 <= i < len(self):
             raise IndexError(f"row {i} of {len(self)}")
-        k = int(np.searchsorted(self.row_starts, i, side="right")) - 1
-        offsets, j = self.offsets[k], i - int(self.row_starts[k])
-        return np.array(self.tokens[k][offsets[j]:offsets[j + 1]])  # a copy, never a view of the map
+        k = bisect.bisect_right(self._starts, i) - 1
+        j = i - self._starts[k]
+        with self._lock:  # a part closed by another thread is never read here
+            (tokens, t0), (offsets, o0) = self._part(k)
+            begin, stop = np.frombuffer(os.pread(offsets, 16, o0 + 8 * j), dtype="<i8")
+            row = np.empty(int(stop - begin), dtype=np.int32)
+            if os.preadv(tokens, [row], t0 + 4 * int(begin)) != row.nbytes:
+                raise CorpusError(f"{self._path(k, 'tokens')} ends before row {j} of it; rebuild the corpus")
+        return row
+
+    def _path(self, k: int, kind: str) -> Path:
+        return self.corpus_dir / self.parts[k]["flat"][kind]["path"]
+
+    def _part(self, k: int) -> tuple:
+        if k in self._open:
+            self._open.move_to_end(k)
+            return self._open[k]
+        while len(self._open) >= self.open_parts:
+            for fd, _ in self._open.popitem(last=False)[1]:
+                os.close(fd)
+        part, files = self.parts[k], []
+        for kind, dtype, count in (("tokens", "<i4", None), ("offsets", "<i8", self.parts[k]["rows"] + 1)):
+            path = self._path(k, kind)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                files.append((fd, _npy_data_start(path, fd, dtype, count)))
+            except BaseException:
+                os.close(fd)
+                for opened, _ in files:
+                    os.close(opened)
+                raise
+        self._open[k] = tuple(files)
+        return self._open[k]
+
+    def close(self) -> None:
+        with self._lock:
+            while self._open:
+                for fd, _ in self._open.popitem()[1]:
+                    os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 -- interpreter shutdown
+            pass
+
+
+def _npy_data_start(path: Path, fd: int, dtype: str, count: int | None) -> int:
+    """Where the values of the 1-d .npy file open as `fd` start, its header checked (dtype; `count` values)."""
+    with open(fd, "rb", closefd=False) as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, found = read(f)
+        except ValueError as e:
+            raise CorpusError(f"{path} is not a .npy file ({e}); rebuild the corpus") from None
+        if found != np.dtype(dtype) or len(shape) != 1 or (count is not None and shape[0] != count):
+            raise CorpusError(f"{path} holds {shape} values of {found}, corpus.json says "
+                              f"{count if count is not None else 'a 1-d array'} of {np.dtype(dtype)}; rebuild the corpus")
+        return f.tell()
+
+
+def _open_parts_allowed() -> int:
+    """Parts a split may keep open: an eighth of this process's file limit (two files a part, a generator
+    actor's two splits, and room for everything else), the soft limit first raised to the hard one."""
+    wanted = 1 << 16  # what Ray gives its workers
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = lambda n: n == resource.RLIM_INFINITY
+    if not unlimited(soft) and soft < wanted and (unlimited(hard) or soft < hard):
+        raised = wanted if unlimited(hard) else min(hard, wanted)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    return max(8, (wanted if unlimited(soft) else soft) // 8)
 
 
 def npy_chunks(path: str | Path, chunk: int = 1 << 22):

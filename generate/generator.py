@@ -45,7 +45,7 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     check_sizes(f"corpus {corpus_dir} has", corpus["vocab_size"], corpus["max_seq_len"], config,
                 "; the trainer would refuse these shards (build the corpus for this manifest, or use its setting)")
     for split in ("train", "valid"):
-        SplitRows(corpus_dir, split)  # the memory-mapped rows the actors read: present, right size
+        SplitRows(corpus_dir, split)  # the rows the actors read: present, right size
     if needs_term_counts(config.generate.distribution, config.generate.augmentation):
         term_counts(corpus_dir)  # computed once and stored beside the corpus, before the actors read it
     aux = read_aux_meta(aux_path)

@@ -1,6 +1,6 @@
 """The Ray side of the generator: one actor per device, a driver loop over shard tasks.
 
-Each actor loads the aux model once and memory-maps the corpus (`__init__`) and then turns
+Each actor loads the aux model once and opens the corpus (`__init__`) and then turns
 tasks into shard files. The driver hands tasks to idle actors, records every
 finished shard in `progress.jsonl` (so a killed run resumes where it stopped),
 and shows a tqdm bar with tokens/s and ETA. An actor whose process dies is
@@ -50,7 +50,7 @@ class ShardActor:
         if needs_term_counts(curriculum.get("distribution", "aux"), curriculum.get("augmentation", "temperature")):
             curriculum["term_counts"] = term_counts(corpus_dir)  # stored beside the corpus by the driver
         corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device, **curriculum)
-        rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # memory-mapped
+        rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # read by position
         self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level, row_group_rows)
         self.device, self.device_model = device, device_model(device)
         self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time

@@ -20,7 +20,7 @@ from common.storage import location
 
 class ShardWriter:
     """Holds the corpus rows ({"train": rows, "valid": rows}, each indexable by row id: a list, or the
-    memory-mapped `common.corpus.SplitRows`) and a Corruptor; turns a ShardTask into a Parquet file."""
+    read by position: `common.corpus.SplitRows`) and a Corruptor; turns a ShardTask into a Parquet file."""
 
     def __init__(self, corpus_rows: dict, corruptor: Corruptor, out_dir: str | Path, zstd_level: int = 19,
                  row_group_rows: int = 0):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -381,3 +382,52 @@ def test_parts_present_finds_a_part_a_cache_cleanup_took(tmp_path):
     assert parts_present(config.corpus_dir)
     next(config.corpus_dir.glob("train/*.npy")).unlink()
     assert not parts_present(config.corpus_dir)
+
+
+def _corpus_files_open(corpus_dir) -> tuple[int, int]:
+    """(file descriptors, memory maps) of this process on files under `corpus_dir`."""
+    root = str(Path(corpus_dir).resolve())
+
+    def target(fd: str) -> str:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile (the listing's own, another thread's)
+            return ""
+
+    fds = sum(target(fd).startswith(root) for fd in os.listdir("/proc/self/fd"))
+    maps = sum(root in line for line in Path("/proc/self/maps").read_text().splitlines())
+    return fds, maps
+
+
+def test_split_rows_keep_a_bounded_number_of_parts_open_and_map_none(built):
+    """A split's rows are read by position from at most `open_parts` parts open at a time (1 here), whatever the
+    number of parts (memory maps held two files and two maps per part: at 1 TB past the per-process limits),
+    from two threads at once (a generator actor's tasks in flight), and are the .npy files' own rows."""
+    from concurrent.futures import ThreadPoolExecutor
+    meta = load_corpus_meta(built.corpus_dir)["train"]
+    reference = []
+    for part in meta["parts"]:
+        tokens, offsets = (np.load(built.corpus_dir / part["flat"][k]["path"]) for k in ("tokens", "offsets"))
+        reference += [tokens[offsets[j]:offsets[j + 1]] for j in range(part["rows"])]
+    assert len(meta["parts"]) >= 2 and len(reference) == meta["rows"]
+    rows = SplitRows(built.corpus_dir, "train", open_parts=1)
+    order = np.random.default_rng(0).permutation(len(reference))
+    most = [0, 0]
+
+    def read(ids):
+        out = []
+        for i in ids:
+            out.append(rows[int(i)])
+            fds, maps = _corpus_files_open(built.corpus_dir)
+            most[:] = max(most[0], fds), max(most[1], maps)
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        halves = list(pool.map(read, (order[::2], order[1::2])))
+    got = dict(zip(order[::2], halves[0])) | dict(zip(order[1::2], halves[1]))
+    assert all(got[i].dtype == np.int32 and np.array_equal(got[i], reference[i]) for i in range(len(reference)))
+    assert most == [2, 0], most  # 1 part's tokens and offsets, of 2 parts read in turn; no map
+    rows.close()
+    assert _corpus_files_open(built.corpus_dir) == (0, 0)
+    with pytest.raises(IndexError):
+        rows[len(reference)]
