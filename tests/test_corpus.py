@@ -431,3 +431,17 @@ def test_split_rows_keep_a_bounded_number_of_parts_open_and_map_none(built):
     assert _corpus_files_open(built.corpus_dir) == (0, 0)
     with pytest.raises(IndexError):
         rows[len(reference)]
+
+
+def test_the_held_out_split_of_all_documents_at_once_is_the_one_by_one_rule():
+    """`valid_mask` (numpy, one pass) holds out exactly the documents `is_valid` does, at the boundary too."""
+    import math
+    from corpus.build import is_valid, valid_mask
+    rng = np.random.default_rng(0)
+    for fraction in (0.0, 1e-9, 0.01, 0.05, 1 / 3, 0.5, 0.999, 1.0):
+        edge = math.ceil(fraction * 2.0**64)
+        near = [h for h in (edge - 2, edge - 1, edge, edge + 1, 0, 2**64 - 1) if 0 <= h < 2**64]
+        hashes = np.concatenate([rng.integers(0, 2**64, 5000, dtype=np.uint64, endpoint=False),
+                                 np.array(near, dtype=np.uint64)])
+        expected = np.array([is_valid(int(h), fraction) for h in hashes])
+        assert np.array_equal(valid_mask(hashes, fraction), expected), fraction
