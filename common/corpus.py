@@ -34,12 +34,13 @@ TERM_COUNTS_FILE = "train.term_counts.npy"
 
 class SplitRows:
     """Rows of one split: `rows[i]` is row i as an int32 array, read on demand from the part that holds it
-    with two positional reads (its two offsets, then its tokens). Nothing grows with the corpus but the
-    parts' row starts: a part's files are opened when a row of it is first read, and at most `open_parts`
+    with two positional reads (its two offsets, then its tokens). Nothing grows with the corpus but three
+    numbers a part (where its rows start, where its files' values start): a part's files are opened when a row of it is first read, and at most `open_parts`
     parts stay open (the least recently read closed first). Memory maps of every part held two file
     descriptors and two maps per part: at 1 TB (about 15,000 parts a split) past Ray's 65,536 files and
     Linux's 65,530 maps per process. Sizes are checked here; each file's header when it is opened.
-    Safe to read from several threads (a generator actor's tasks in flight)."""
+    Safe to read from several threads (a generator actor's tasks in flight); not picklable (each process
+    opens its own)."""
 
     def __init__(self, corpus_dir: str | Path, split: str, open_parts: int = 0):
         meta = load_corpus_meta(corpus_dir)[split]
@@ -54,6 +55,7 @@ class SplitRows:
         self._starts = self.row_starts.tolist()  # bisect on a list: a numpy search per row costs more than a read
         self.open_parts = open_parts or _open_parts_allowed()
         self._open: OrderedDict[int, tuple] = OrderedDict()  # part -> (tokens (fd, start), offsets (fd, start))
+        self._data_starts: dict[int, tuple[int, int]] = {}  # part -> where its two files' values start
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -82,17 +84,23 @@ class SplitRows:
         while len(self._open) >= self.open_parts:
             for fd, _ in self._open.popitem(last=False)[1]:
                 os.close(fd)
-        part, files = self.parts[k], []
-        for kind, dtype, count in (("tokens", "<i4", None), ("offsets", "<i8", self.parts[k]["rows"] + 1)):
-            path = self._path(k, kind)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                files.append((fd, _npy_data_start(path, fd, dtype, count)))
-            except BaseException:
+        known, files = self._data_starts.get(k), []
+        try:
+            for n, (kind, dtype, count) in enumerate((("tokens", "<i4", None),
+                                                       ("offsets", "<i8", self.parts[k]["rows"] + 1))):
+                path = self._path(k, kind)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise CorpusError(f"{path} cannot be opened ({e.strerror}); rebuild the corpus") from None
+                files.append((fd, 0))  # closed below if its header is refused
+                files[-1] = (fd, known[n] if known else _npy_data_start(path, fd, dtype, count))
+        except BaseException:
+            for fd, _ in files:
                 os.close(fd)
-                for opened, _ in files:
-                    os.close(opened)
-                raise
+            raise
+        # a header is parsed once: at 1 TB the parts outnumber the open ones, and a part is opened again
+        self._data_starts[k] = (files[0][1], files[1][1])
         self._open[k] = tuple(files)
         return self._open[k]
 

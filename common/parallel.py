@@ -36,5 +36,9 @@ def cluster_size(address: str | None, resource: str) -> int:
     when none are asked for (this machine's own count would leave the other nodes idle). Starts Ray."""
     import ray
     start_ray(address, 0)
-    return int(ray.cluster_resources().get(resource, 0))
+    count = int(ray.cluster_resources().get(resource, 0))
+    if resource == "CPU" and count < 1:  # an autoscaling cluster's head with no worker up yet: nothing to size by
+        raise NodeProblem(f"the Ray cluster at {address} has no CPU to run workers on yet; wait for its nodes "
+                          f"or pass --workers N")
+    return count
 

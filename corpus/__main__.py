@@ -11,6 +11,7 @@ import sys
 
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.io import DamagedFile, DiskFull, FolderLocked, upload_folder
+from common.parallel import NodeProblem
 from common.corpus import CORPUS_META
 from common.sources import CorpusError
 from common.storage import cache_folder, is_remote, location
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         if is_remote(out):
             put, skipped = upload_folder(local, out, last=CORPUS_META)
             print(f"corpus: uploaded to {out} ({put} files put{f', {skipped} already there' if skipped else ''})")
-    except (ConfigError, CorpusError, FolderLocked, DamagedFile, DiskFull) as e:
+    except (ConfigError, CorpusError, FolderLocked, DamagedFile, DiskFull, NodeProblem) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

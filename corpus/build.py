@@ -460,19 +460,18 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
         remove_stale_tmp(folder)
     atomic_write_json(staging / "key.json", {"key": key})
-    import ray
-    ray_was_running = ray.is_initialized()
-    if not workers:  # none asked, joining a cluster: one per core of it
-        from common.parallel import cluster_size
-        workers = cluster_size(address, "CPU")
-    log(f"corpus: {len(files)} files, {total_bytes / 1e6:.1f} MB from {source!r} in {len(units)} units "
-        f"on {workers} worker(s)")
-
     if (staging / CORPUS_META).is_file():  # killed between finishing and publishing
         _publish(staging, out_dir)
         log(f"corpus: published the build finished in {staging} -> {out_dir}")
         return out_dir
+    import ray
+    ray_was_running = ray.is_initialized()
     try:
+        if not workers:  # none asked, joining a cluster: one per core of it
+            from common.parallel import cluster_size
+            workers = cluster_size(address, "CPU")
+        log(f"corpus: {len(files)} files, {total_bytes / 1e6:.1f} MB from {source!r} in {len(units)} units "
+            f"on {workers} worker(s)")
         _warm_up(workers, address)
         seconds = {"start": time.time() - t_start}
         scans = _scan_all(units, cfg, config, staging, workers, address, total_bytes, log)

@@ -39,6 +39,17 @@ class ShardActor:
         self.problem = node_problem(out_dir, corpus_dir, aux_path)
         if self.problem:  # said by the first task (an error here would have Ray restart the actor, then a trace)
             return
+        from common.checkpoint import IncompatibleInputs
+        from common.sources import CorpusError
+        try:  # what the checks above cannot see: an hf: aux model's own folder, a part of the corpus
+            self._start(aux_path, corpus_dir, out_dir, seed, mask_prob, batch_tokens, threads, zstd_level,
+                        curriculum, row_group_rows)
+        except (OSError, CorpusError, IncompatibleInputs) as e:
+            self.problem = (f"an actor on Ray node {socket.gethostname()} cannot load its inputs: {e} (every node "
+                            f"must see the driver's folders at the same paths, or use object storage)")
+
+    def _start(self, aux_path, corpus_dir, out_dir, seed, mask_prob, batch_tokens, threads, zstd_level, curriculum,
+               row_group_rows) -> None:
         from common.checkpoint import local_aux
         from common.corpus import SplitRows, local_corpus, term_counts
         from common.corrupt import Corruptor, needs_term_counts

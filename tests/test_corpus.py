@@ -399,18 +399,21 @@ def _corpus_files_open(corpus_dir) -> tuple[int, int]:
     return fds, maps
 
 
-def test_split_rows_keep_a_bounded_number_of_parts_open_and_map_none(built):
+def test_split_rows_keep_a_bounded_number_of_parts_open_and_map_none(built, tmp_path):
     """A split's rows are read by position from at most `open_parts` parts open at a time (1 here), whatever the
     number of parts (memory maps held two files and two maps per part: at 1 TB past the per-process limits),
-    from two threads at once (a generator actor's tasks in flight), and are the .npy files' own rows."""
+    from two threads at once (a generator actor's tasks in flight), and are the .npy files' own rows. A part
+    that cannot be opened is named and leaves nothing open."""
+    import shutil
     from concurrent.futures import ThreadPoolExecutor
-    meta = load_corpus_meta(built.corpus_dir)["train"]
+    corpus = shutil.copytree(built.corpus_dir, tmp_path / "corpus")  # no other reader of these files
+    meta = load_corpus_meta(corpus)["train"]
     reference = []
     for part in meta["parts"]:
-        tokens, offsets = (np.load(built.corpus_dir / part["flat"][k]["path"]) for k in ("tokens", "offsets"))
+        tokens, offsets = (np.load(corpus / part["flat"][k]["path"]) for k in ("tokens", "offsets"))
         reference += [tokens[offsets[j]:offsets[j + 1]] for j in range(part["rows"])]
     assert len(meta["parts"]) >= 2 and len(reference) == meta["rows"]
-    rows = SplitRows(built.corpus_dir, "train", open_parts=1)
+    rows = SplitRows(corpus, "train", open_parts=1)
     order = np.random.default_rng(0).permutation(len(reference))
     most = [0, 0]
 
@@ -418,7 +421,7 @@ def test_split_rows_keep_a_bounded_number_of_parts_open_and_map_none(built):
         out = []
         for i in ids:
             out.append(rows[int(i)])
-            fds, maps = _corpus_files_open(built.corpus_dir)
+            fds, maps = _corpus_files_open(corpus)
             most[:] = max(most[0], fds), max(most[1], maps)
         return out
 
@@ -428,9 +431,15 @@ def test_split_rows_keep_a_bounded_number_of_parts_open_and_map_none(built):
     assert all(got[i].dtype == np.int32 and np.array_equal(got[i], reference[i]) for i in range(len(reference)))
     assert most == [2, 0], most  # 1 part's tokens and offsets, of 2 parts read in turn; no map
     rows.close()
-    assert _corpus_files_open(built.corpus_dir) == (0, 0)
+    assert _corpus_files_open(corpus) == (0, 0)
     with pytest.raises(IndexError):
         rows[len(reference)]
+    fresh = SplitRows(corpus, "train", open_parts=1)
+    (corpus / meta["parts"][1]["flat"]["offsets"]["path"]).unlink()  # gone after the sizes were checked
+    for _ in range(3):
+        with pytest.raises(CorpusError, match=r"part-\d+\.offsets\.npy cannot be opened"):
+            fresh[meta["parts"][1]["row_start"]]
+    assert _corpus_files_open(corpus) == (0, 0)  # its tokens file, opened first, closed again each time
 
 
 def test_the_held_out_split_of_all_documents_at_once_is_the_one_by_one_rule():

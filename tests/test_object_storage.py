@@ -228,11 +228,15 @@ def test_processes_of_one_machine_download_a_file_once_and_share_it(s3, tmp_path
               f"{hashlib.sha256(body).hexdigest()!r})\nprint(path.stat().st_ino)\n")
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(3)]
-    deadline = time.time() + 60
-    while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
-        time.sleep(0.05)
-    go.touch()  # all three at once
-    inodes = {p.communicate(timeout=120)[0].strip() for p in procs}
+    try:
+        deadline = time.time() + 60
+        while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        go.touch()  # all three at once
+        inodes = {p.communicate(timeout=120)[0].strip() for p in procs}
+    finally:
+        for p in procs:
+            p.kill()
     assert all(p.returncode == 0 for p in procs)
     assert len(inodes) == 1 and local.read_bytes() == body, inodes
 
