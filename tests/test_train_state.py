@@ -111,6 +111,7 @@ def _restore_on_rank(rank, tmp_path, results):
                 results[(case, rank)] = f"step {found[1].step}"
             except IncompatibleInputs as e:
                 results[(case, rank)] = str(e)
+        dist.barrier()  # neither tears its gloo pairs down while the other still uses them (an abort under load)
     finally:
         dist.destroy_process_group()
 
