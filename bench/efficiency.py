@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -300,10 +299,9 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
 
     memory = {}
     if device.type == "cuda":
+        from bench.gpu import reset_peak_memory
         for name in MODES:
-            gc.collect()  # the mode measured before, reference cycles included
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_peak_memory(device)  # the mode measured before freed first, reference cycles included
             runner = Mode(name, config, data_dir, device, vocab, aux_path)
             for _ in range(3):
                 runner.step()

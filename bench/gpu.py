@@ -90,7 +90,7 @@ def reset_peak_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def matmul_flops_per_s(n: int = 8192) -> float:

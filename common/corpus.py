@@ -35,8 +35,8 @@ TERM_COUNTS_FILE = "train.term_counts.npy"
 class SplitRows:
     """Rows of one split: `rows[i]` is row i as an int32 array, read on demand from the part that holds it
     with two positional reads (its two offsets, then its tokens). Nothing grows with the corpus but three
-    numbers a part (where its rows start, where its files' values start): a part's files are opened when a row of it is first read, and at most `open_parts`
-    parts stay open (the least recently read closed first). Memory maps of every part held two file
+    numbers a part (where its rows start, where its files' values start): a part's files are opened when a
+    row of it is first read, and at most `open_parts` parts stay open (the least recently read closed first). Memory maps of every part held two file
     descriptors and two maps per part: at 1 TB (about 15,000 parts a split) past Ray's 65,536 files and
     Linux's 65,530 maps per process. Sizes are checked here; each file's header when it is opened.
     Safe to read from several threads (a generator actor's tasks in flight); not picklable (each process
@@ -84,24 +84,23 @@ class SplitRows:
         while len(self._open) >= self.open_parts:
             for fd, _ in self._open.popitem(last=False)[1]:
                 os.close(fd)
-        known, files = self._data_starts.get(k), []
+        known, fds, starts = self._data_starts.get(k), [], []
         try:
             for n, (kind, dtype, count) in enumerate((("tokens", "<i4", None),
                                                        ("offsets", "<i8", self.parts[k]["rows"] + 1))):
                 path = self._path(k, kind)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fds.append(os.open(path, os.O_RDONLY))
                 except OSError as e:
                     raise CorpusError(f"{path} cannot be opened ({e.strerror}); rebuild the corpus") from None
-                files.append((fd, 0))  # closed below if its header is refused
-                files[-1] = (fd, known[n] if known else _npy_data_start(path, fd, dtype, count))
+                # a header is parsed once: at 1 TB the parts outnumber the open ones, and a part is opened again
+                starts.append(known[n] if known else _npy_data_start(path, fds[-1], dtype, count))
         except BaseException:
-            for fd, _ in files:
+            for fd in fds:
                 os.close(fd)
             raise
-        # a header is parsed once: at 1 TB the parts outnumber the open ones, and a part is opened again
-        self._data_starts[k] = (files[0][1], files[1][1])
-        self._open[k] = tuple(files)
+        self._data_starts[k] = tuple(starts)
+        self._open[k] = tuple(zip(fds, starts))
         return self._open[k]
 
     def close(self) -> None:
