@@ -55,4 +55,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from common.process import stacks_on_sigusr1
+    stacks_on_sigusr1()
     sys.exit(main())

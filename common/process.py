@@ -2,6 +2,7 @@
 ranks under torchrun, none of which may outlive the command that started it."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
@@ -20,6 +21,13 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))
     except (OSError, AttributeError):
         pass  # not Linux
+
+
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to this process's stderr and the process goes on:
+    where a run that seems stuck is (a rank in a collective, a read, the launcher), without a debugger."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def trainer_command(nproc: int) -> list[str]:

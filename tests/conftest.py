@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,54 @@ def write_text_corpus(folder: Path, num_docs: int = 6, sentences: int = 120, see
             paragraphs.append("\n".join(lines))
         (folder / f"work_{d:02d}.txt").write_text(f"TITLE {d}\n\n" + "\n\n".join(paragraphs) + "\n")
     return folder
+
+
+def run_ranks(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)` for a launcher and its ranks; on a
+    timeout, every process of the command is first asked for its stacks (SIGUSR1, which the stages answer
+    through `common.process.stacks_on_sigusr1`), then killed, and the test fails with the stacks: where a
+    run hung (a rank in a collective, the launcher) shows in the test's failure, in CI too."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid, *descendants(proc.pid)]  # torchrun starts each rank in a session of its own
+        signal_all(tree, signal.SIGUSR1, pause=1.0)
+        signal_all(tree, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout:g} s; its output and stacks:\n"
+                    f"{out[-3000:]}\n{err[-20000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (children, theirs, ...), read from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def signal_all(pids: list[int], sig: int, pause: float = 0.0) -> None:
+    """`sig` to each of `pids` in turn, `pause` seconds apart (stacks dumped into one shared stderr at once
+    interleave)."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        time.sleep(pause)
 
 
 def tiny_config(work_dir: Path, **overrides) -> RunConfig:

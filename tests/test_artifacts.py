@@ -12,7 +12,7 @@ import pytest
 
 from common.io import FolderLock, FolderLocked
 from corpus.build import build_corpus, corpus_is_current
-from tests.conftest import ROOT, tiny_config, write_text_corpus
+from tests.conftest import ROOT, descendants, run_ranks, signal_all, tiny_config, write_text_corpus
 from train.__main__ import SLOW_ENV
 
 HOLD = "import sys, time; from common.io import FolderLock; FolderLock(sys.argv[1], 'a test writer').acquire(); " \
@@ -120,6 +120,56 @@ def test_killing_the_launchers_process_group_leaves_no_trainer(generated, tmp_pa
     assert trainers() == []
 
 
+@pytest.mark.slow
+def test_sigusr1_prints_the_stacks_of_the_launcher_and_each_rank_and_the_run_goes_on(generated, tmp_path, gloo_env):
+    """Where a run that seems stuck is: `kill -USR1` to the launcher and its two ranks prints every thread's
+    stack (each rank's main thread inside the trainer's loop, the launcher in torchrun's agent); then the run
+    finishes as if nothing had been asked."""
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m", "train",
+           "--manifest", str(manifest), "--data", str(data), "--out", str(run), "--set", "train.max_steps=6"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**gloo_env, SLOW_ENV: "0.5"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
+            assert time.time() < deadline and proc.poll() is None, "the run did not log a step"
+            time.sleep(0.1)
+        tree = [proc.pid, *descendants(proc.pid)]  # the launcher and its ranks (sessions of their own)
+        assert len(tree) >= 3, tree
+        signal_all(tree, signal.SIGUSR1, pause=0.5)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert (run / "summary.json").is_file() and " 6 steps x " in out
+    lines = err.splitlines()
+    in_loop = [line for line in lines if line.strip().startswith("File") and line.endswith(" in train")
+               and "train/trainer.py" in line]
+    assert len(in_loop) == 2, err[-5000:]  # one frame of train() per rank
+    assert any("train/launch.py" in line for line in lines), err[-5000:]
+    assert any("torch/distributed/elastic" in line for line in lines), err[-5000:]
+
+
+@pytest.mark.slow
+def test_a_multi_rank_command_that_hangs_fails_its_test_with_every_ranks_stack(generated, tmp_path, gloo_env):
+    """The tests' `run_ranks`: a two-rank run past its timeout (here: a minute a step) fails the test with the
+    stacks of the launcher and both ranks, and leaves no process behind."""
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m", "train",
+           "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
+    with pytest.raises(pytest.fail.Exception, match="timed out after 30 s") as failed:
+        run_ranks(cmd, timeout=30, cwd=ROOT, env={**gloo_env, SLOW_ENV: "60"})
+    message = str(failed.value)
+    assert message.count(" in hook\n") == 2, message[-5000:]  # each rank's main thread, in the slow step
+    assert "train/launch.py" in message, message[-5000:]
+    out = subprocess.run(["ps", "-eww", "-o", "pid,args"], capture_output=True, text=True).stdout
+    assert [line for line in out.splitlines() if str(run) in line] == []
+
+
 def test_an_edited_or_added_source_file_makes_the_corpus_stale(tmp_path):
     raw = write_text_corpus(tmp_path / "raw", num_docs=4)
     config = tiny_config(tmp_path)
@@ -188,9 +238,9 @@ def test_with_two_ranks_a_ranks_error_ends_the_command_with_its_exit_code(genera
     raw = bytearray((copy / last).read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     (copy / last).write_bytes(bytes(raw))
-    result = subprocess.run([sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m",
-                             "train", "--manifest", str(manifest), "--data", str(copy), "--out", str(tmp_path / "run")],
-                            cwd=ROOT, env=gloo_env, capture_output=True, text=True, timeout=300)
+    result = run_ranks([sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m",
+                        "train", "--manifest", str(manifest), "--data", str(copy), "--out", str(tmp_path / "run")],
+                       timeout=300, cwd=ROOT, env=gloo_env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"{last}: row group 0" in result.stderr and "is damaged" in result.stderr
     assert "Traceback" not in result.stderr

@@ -14,7 +14,7 @@ from common.checkpoint import AUX_FILE, safe_load
 from common.config import ConfigError, accumulation, dump_toml
 from common.curriculum import AUX_MLM_STREAM
 from common.plan import IndexPermutation
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 from train.__main__ import KILL_AT_STEP_ENV
 
 
@@ -30,7 +30,7 @@ def aux_manifest(built, tmp_path, name="aux.toml", **aux):
 def run_aux(manifest, built, out, env, *extra):
     cmd = [sys.executable, "-m", "auxiliary", "--manifest", str(manifest), "--corpus", str(built.corpus_dir),
            "--out", str(out), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_ranks(cmd, timeout=300, cwd=ROOT, env=env)
 
 
 def weights(out):

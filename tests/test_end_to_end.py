@@ -13,7 +13,7 @@ from common.corpus import load_split
 from tests.conftest import temperature_at
 from common.io import sha256_file
 from common.shards import SHARD_SCHEMA, list_column, read_parquet
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, 
         run = tmp_path / f"run{nproc}{micro}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run)]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=gloo_env)
+        result = run_ranks(cmd, timeout=300, cwd=ROOT, env=gloo_env)
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"({micro} per micro-batch, {8 // nproc // micro} accumulated)" in result.stdout
         records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]

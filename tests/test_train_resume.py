@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 from train.__main__ import KILL_AT_STEP_ENV
 
 pytestmark = pytest.mark.slow
@@ -154,9 +154,10 @@ def test_two_nodes_on_loopback_train_and_resume(boundary_setup, tmp_path, gloo_e
     env_with_repo = gloo_env  # two nodes on one machine: one GPU cannot serve both
     manifest, data, _, boundary_step, _, _ = boundary_setup
     reference = tmp_path / "standalone"  # one node, two ranks: the same world
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
-                    "--manifest", str(manifest), "--data", str(data), "--out", str(reference)],
-                   cwd=ROOT, env=env_with_repo, check=True, capture_output=True, timeout=300)
+    done = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                      "train", "--manifest", str(manifest), "--data", str(data), "--out", str(reference)],
+                     timeout=300, cwd=ROOT, env=env_with_repo)
+    assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "two-nodes"
     codes, _ = _two_nodes(manifest, data, run, {**env_with_repo, KILL_AT_STEP_ENV: str(boundary_step + 1)})
     assert all(c != 0 for c in codes)  # both nodes went down at step boundary_step + 1
@@ -229,7 +230,7 @@ def test_two_gloo_ranks_stopped_by_sigterm_checkpoint_the_same_update_and_resume
     assert f"train: stopped by SIGTERM after step {stopped} of" in out, out[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{stopped:08d}.pt"]
     assert not (run / "summary.json").exists() and not (tmp_path / ".run.lock").exists()
-    result = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=gloo_env, capture_output=True, text=True, timeout=300)
+    result = run_ranks(cmd + ["--resume"], timeout=300, cwd=ROOT, env=gloo_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"at step {stopped}" in result.stdout
     data_manifest = json.loads((data / "manifest.json").read_text())

@@ -97,4 +97,6 @@ def leave(code: int) -> int:
 
 
 if __name__ == "__main__":
+    from common.process import stacks_on_sigusr1
+    stacks_on_sigusr1()
     sys.exit(main())
