@@ -18,6 +18,7 @@ import bisect
 import json
 import os
 import resource
+import sys
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -36,11 +37,13 @@ class SplitRows:
     """Rows of one split: `rows[i]` is row i as an int32 array, read on demand from the part that holds it
     with two positional reads (its two offsets, then its tokens). Nothing grows with the corpus but three
     numbers a part (where its rows start, where its files' values start): a part's files are opened when a
-    row of it is first read, and at most `open_parts` parts stay open (the least recently read closed first). Memory maps of every part held two file
-    descriptors and two maps per part: at 1 TB (about 15,000 parts a split) past Ray's 65,536 files and
-    Linux's 65,530 maps per process. Sizes are checked here; each file's header when it is opened.
-    Safe to read from several threads (a generator actor's tasks in flight); not picklable (each process
-    opens its own)."""
+    row of it is first read, and at most `open_parts` parts stay open (the least recently read closed first).
+    Memory maps of every part held two file descriptors and two maps per part: at 1 TB (about 15,000 parts a
+    split) past Ray's 65,536 files and Linux's 65,530 maps per process. A split of more parts than may stay
+    open reads rows of closed parts by opening them again (slower, the more so on a network file system;
+    docs/benchmarks.md), said once on stderr. Sizes are checked here; each
+    file's header when it is opened. Safe to read from several threads (a generator actor's tasks in flight);
+    not picklable (each process opens its own)."""
 
     def __init__(self, corpus_dir: str | Path, split: str, open_parts: int = 0):
         meta = load_corpus_meta(corpus_dir)[split]
@@ -53,10 +56,11 @@ class SplitRows:
                     raise CorpusError(f"{path} is missing or has another size than corpus.json says; rebuild the corpus")
         self.row_starts = np.asarray([p["row_start"] for p in self.parts] + [meta["rows"]], dtype=np.int64)
         self._starts = self.row_starts.tolist()  # bisect on a list: a numpy search per row costs more than a read
-        self.open_parts = open_parts or _open_parts_allowed()
+        self.open_parts, self._by_limit = open_parts or _open_parts_allowed(), not open_parts
         self._open: OrderedDict[int, tuple] = OrderedDict()  # part -> (tokens (fd, start), offsets (fd, start))
         self._data_starts: dict[int, tuple[int, int]] = {}  # part -> where its two files' values start
         self._lock = threading.Lock()
+        self._reopens_said = False
 
     def __len__(self) -> int:
         return int(self.row_starts[-1])
@@ -84,6 +88,13 @@ class SplitRows:
         while len(self._open) >= self.open_parts:
             for fd, _ in self._open.popitem(last=False)[1]:
                 os.close(fd)
+            if not self._reopens_said:
+                self._reopens_said = True
+                print(f"note: {self.corpus_dir} has {len(self.parts):,} parts in a split, more than the "
+                      f"{self.open_parts:,} this process keeps open: rows of closed parts are read by opening them "
+                      f"again, slower" + (f"; a file limit (ulimit -Hn) of {8 * len(self.parts):,} or more, "
+                                          f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]:,} here, reads without" if self._by_limit else ""),
+                      file=sys.stderr, flush=True)
         known, fds, starts = self._data_starts.get(k), [], []
         try:
             for n, (kind, dtype, count) in enumerate((("tokens", "<i4", None),
@@ -133,8 +144,9 @@ def _npy_data_start(path: Path, fd: int, dtype: str, count: int | None) -> int:
 
 def _open_parts_allowed() -> int:
     """Parts a split may keep open: an eighth of this process's file limit (two files a part, a generator
-    actor's two splits, and room for everything else), the soft limit first raised to the hard one."""
-    wanted = 1 << 16  # what Ray gives its workers
+    actor's two splits, and room for everything else), the soft limit first raised to the hard one (up to
+    Docker's default hard limit, 2^20: 131,072 parts, 8 TB of text at unit_mb 64)."""
+    wanted = 1 << 20
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     unlimited = lambda n: n == resource.RLIM_INFINITY
     if not unlimited(soft) and soft < wanted and (unlimited(hard) or soft < hard):

@@ -442,6 +442,54 @@ def test_split_rows_keep_a_bounded_number_of_parts_open_and_map_none(built, tmp_
     assert _corpus_files_open(corpus) == (0, 0)  # its tokens file, opened first, closed again each time
 
 
+READ_ALL_ROWS = """
+import json, resource, sys
+import numpy as np
+from common.corpus import SplitRows
+corpus, soft, hard = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+rows = SplitRows(corpus, "train")
+meta = json.load(open(corpus + "/corpus.json"))["train"]
+reference = []
+for part in meta["parts"]:
+    tokens, offsets = (np.load(corpus + "/" + part["flat"][k]["path"]) for k in ("tokens", "offsets"))
+    reference += [tokens[offsets[j]:offsets[j + 1]] for j in range(part["rows"])]
+order = np.random.default_rng(0).permutation(len(reference))
+same = all(np.array_equal(rows[int(i)], reference[i]) for i in np.concatenate([order, order]))
+print(json.dumps({"open_parts": rows.open_parts, "same": same, "soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}))
+"""
+
+
+def test_a_split_of_more_parts_than_its_file_limit_keeps_open_reads_every_row_and_says_so_once(tmp_path,
+                                                                                                env_with_repo):
+    """20 parts and a file limit of 96 (soft and hard): 12 parts stay open, every row of two random passes is
+    right, one note says the limit that would read without reopening. With a hard limit of 1,024 the soft one
+    is raised to it and all 20 stay open: no note."""
+    from common.corpus import CORPUS_FORMAT
+    rng = np.random.default_rng(0)
+    parts, start = [], 0
+    (tmp_path / "train").mkdir()
+    for k in range(20):
+        offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 9, 5))]).astype(np.int64)
+        paths = {kind: f"train/part-{k:05d}.{kind}.npy" for kind in ("tokens", "offsets")}
+        np.save(tmp_path / paths["tokens"], rng.integers(5, 300, offsets[-1]).astype(np.int32))
+        np.save(tmp_path / paths["offsets"], offsets)
+        parts.append({"row_start": start, "rows": 5, "flat": {kind: {"path": path, "bytes": (tmp_path / path).stat().st_size}
+                                                               for kind, path in paths.items()}})
+        start += 5
+    (tmp_path / "corpus.json").write_text(json.dumps({"corpus_format": CORPUS_FORMAT,
+                                                      "train": {"parts": parts, "rows": start}}))
+    for soft, hard, open_parts, notes in ((96, 96, 12, 1), (96, 1024, 128, 0)):
+        result = subprocess.run([sys.executable, "-c", READ_ALL_ROWS, str(tmp_path), str(soft), str(hard)], cwd=ROOT,
+                                env=env_with_repo, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout) == {"open_parts": open_parts, "same": True, "soft": hard}
+        said = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+        assert len(said) == notes, result.stderr
+        assert not notes or "has 20 parts in a split, more than the 12 this process keeps open" in said[0] \
+            and "(ulimit -Hn) of 160 or more, 96 here" in said[0]
+
+
 def test_the_held_out_split_of_all_documents_at_once_is_the_one_by_one_rule():
     """`valid_mask` (numpy, one pass) holds out exactly the documents `is_valid` does, at the boundary too."""
     import math
