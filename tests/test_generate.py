@@ -134,3 +134,60 @@ sys.exit(cli.main(["--manifest", {str(manifest)!r}, "--out", {str(tmp_path / "ep
     (error,) = [line for line in result.stderr.splitlines() if "Ray gave" in line]  # once, not per actor
     assert error.startswith("error: Ray gave an actor GPU [") and "sees no CUDA device" in error, result.stderr[-3000:]
     assert not list((tmp_path / "epochs").glob("*.parquet"))  # no CPU shard in what would be a GPU folder
+
+
+@pytest.mark.slow
+def test_a_cluster_with_no_cpu_yet_or_a_node_missing_a_corpus_part_stops_the_ray_stages_with_one_line(built,
+                                                                                                      tmp_path):
+    """An autoscaling cluster whose head has no CPU and no worker node up yet, joined without --workers:
+    `python -m generate` and `python -m corpus` each stop with one `error:` line saying so and what to do
+    (exit 2), before any actor or output (a real Ray started with 0 CPUs, joined by both CLIs). An actor whose
+    node's copy of the corpus lacks a part (corpus.json there): one problem naming the node and the file, not
+    a restarted actor and Ray's traceback (a real actor of a Ray with 1 CPU)."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(built))
+    script = f"""
+import ray
+ray.init(num_cpus=0, include_dashboard=False, logging_level="ERROR")
+import corpus.__main__ as corpus_cli
+import generate.__main__ as generate_cli
+for cli, out in ((generate_cli, "epochs"), (corpus_cli, "corpus")):
+    code = cli.main(["--manifest", {str(manifest)!r}, "--out", {str(tmp_path)!r} + "/" + out, "--address", "joined"])
+    print("exit |", code, flush=True)
+ray.shutdown()
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+import shutil
+from pathlib import Path
+from common.config import load_manifest
+from common.parallel import NodeProblem
+from common.plan import plan_tasks
+from generate.job import run_tasks
+config = load_manifest({str(manifest)!r})
+g = config.generate
+partial = shutil.copytree({str(built.corpus_dir)!r}, {str(tmp_path / "partial-corpus")!r})
+next(Path(partial).glob("train/*.tokens.npy")).unlink()
+out = Path({str(tmp_path / "written")!r})
+out.mkdir()
+(out / "plan.json").write_text("{{}}")  # the driver's folder, seen
+args = dict(aux_path={str(built.aux_dir / AUX_FILE)!r}, corpus_dir=partial, out_dir=str(out), seed=config.seed,
+            mask_prob=g.mask_prob, batch_tokens=g.batch_tokens, threads=1, zstd_level=1)
+try:
+    run_tasks(plan_tasks(100, 0, g, config.seed)[:1], 1, args, out)
+except NodeProblem as e:
+    print("part |", e, flush=True)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("exit |")] == ["exit | 2"] * 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the Ray cluster at joined has no CPU to run workers on yet; wait for its nodes or "
+                      "pass --workers N"] * 2, result.stderr[-3000:]
+    assert not list((tmp_path / "epochs").glob("**/*.parquet")) and not (tmp_path / "corpus").exists()
+    (part,) = [line.split(" | ", 1)[1] for line in result.stdout.splitlines() if line.startswith("part |")]
+    assert part.startswith("an actor on Ray node ") and "cannot load its inputs: " in part, part
+    assert "partial-corpus/train/" in part and "is missing or has another size than corpus.json says" in part, part
+    assert not list((tmp_path / "written").glob("**/*.parquet"))
