@@ -20,6 +20,9 @@ In one run:
   corpus_rss_4x_vs_1x       peak RSS of `python -m corpus` (one worker, its whole process tree) on a single
                             .jsonl.gz holding 4x the text over one holding 1x (100 MB of text), the
                             tokenizer's sample bounded (max_sentences 50,000, reached by both) (target <= 1.2)
+  decide_rss_8x_vs_1x       peak RSS of the corpus driver's decision (exact duplicates, the held-out split) over
+                            32M documents' hashes against 4M, a tenth of them copies (target <= 1.2); beside
+                            it the same for every hash at once, the way before 2026-11-25
 Writes bench/results/scale.json and scale.md.
 """
 from __future__ import annotations
@@ -227,28 +230,86 @@ def corpus_memory(tmp: Path) -> dict:
     return {"corpus_rss_4x_vs_1x": runs[4]["peak_rss_mb"] / runs[1]["peak_rss_mb"], "corpus_runs": runs}
 
 
+def write_scan(folder: Path, units: int, docs_per_unit: int, seed: int) -> list:
+    """A corpus stage's scan output as `_decide` reads it: per unit, its documents' 64-bit hashes, a tenth of
+    them copies of earlier documents'."""
+    from types import SimpleNamespace
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    total = units * docs_per_unit
+    hashes = rng.integers(0, 2**64, total, dtype=np.uint64)
+    copies = np.flatnonzero(rng.random(total) < 0.1)
+    copies = copies[copies > 0]
+    hashes[copies] = hashes[(rng.random(len(copies)) * copies).astype(np.int64)]
+    for u in range(units):
+        np.save(folder / f"unit-{u:05d}.npy", hashes[u * docs_per_unit:(u + 1) * docs_per_unit])
+    return [SimpleNamespace(index=u) for u in range(units)]
+
+
+def decide_probe(folder: str, units: int, whole: bool) -> dict:
+    """In this (fresh) process: the driver's decision over a scan folder, `_decide` (a bucket of hashes at a
+    time) or, `whole`, every hash at once as the driver did until 2026-11-25."""
+    from types import SimpleNamespace
+    from corpus.build import _decide, valid_mask
+    before = peak_rss_bytes()
+    unit_list = [SimpleNamespace(index=u) for u in range(units)]
+    t0 = time.time()
+    if whole:
+        hashes = np.concatenate([np.load(Path(folder) / f"unit-{u:05d}.npy") for u in range(units)])
+        keep = np.zeros(len(hashes), dtype=bool)
+        keep[np.unique(hashes, return_index=True)[1]] = True
+        valid = valid_mask(hashes, 0.01)
+        duplicates = int(len(hashes) - keep.sum())
+        del valid
+    else:
+        duplicates = _decide(unit_list, Path(folder), 0.01).duplicates
+    return {"rss_bytes": peak_rss_bytes(), "before_bytes": before, "seconds": time.time() - t0, "duplicates": duplicates}
+
+
+def peak_rss_bytes() -> int:
+    """This process image's peak RSS (VmHWM): getrusage's ru_maxrss keeps, across exec, the peak of the
+    process that forked it (here the benchmark holding the hashes it wrote)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def decide_memory(tmp: Path) -> dict:
+    runs = {}
+    for times in (1, 8):
+        folder = tmp / f"scan-{times}x"
+        units = write_scan(folder, 64 * times, 1 << 16, seed=times)  # 4M documents a time: a bucket's worth
+        runs[f"{times}x"] = {"documents": len(units) << 16, "buckets": run_probe("decide", str(folder), len(units), False),
+                       "whole": run_probe("decide", str(folder), len(units), True)}
+        shutil.rmtree(folder)
+    ratio = lambda way: runs["8x"][way]["rss_bytes"] / runs["1x"][way]["rss_bytes"]
+    return {"decide_rss_8x_vs_1x": ratio("buckets"), "decide_rss_8x_vs_1x_whole": ratio("whole"), "decide_runs": runs}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--parts", default="driver,read,start,corpus,preflight",
+    parser.add_argument("--parts", default="driver,read,start,corpus,decide,preflight",
                         help="which figures to measure (the others are kept from the last scale.json)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         kind, *rest = json.loads(args.probe)
-        print(json.dumps({"plan": plan_probe, "read": read_probe}[kind](*rest)))
+        print(json.dumps({"plan": plan_probe, "read": read_probe, "decide": decide_probe}[kind](*rest)))
         return 0
     out = Path(args.out)
     parts = set(args.parts.split(","))
     result = json.loads((out / "scale.json").read_text()) if parts != {"driver", "read", "start", "corpus",
-                                                                         "preflight"} else {}
+                                                                         "decide", "preflight"} else {}
     result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.python_version()}"})
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for name, measure in (("driver", driver_memory), ("read", rank_reading), ("start", start_time),
-                              ("corpus", corpus_memory), ("preflight", preflight_error)):
+                              ("corpus", corpus_memory), ("decide", decide_memory), ("preflight", preflight_error)):
             if name in parts:
-                result.update(measure(Path(tmp)) if name in ("read", "start", "corpus") else measure())
+                result.update(measure(Path(tmp)) if name in ("read", "start", "corpus", "decide") else measure())
     atomic_write_json(out / "scale.json", result)
+    result = json.loads(json.dumps(result))  # keys as the file has them, whether measured now or kept
     md = ["# make bench-scale", "", f"{result['date']}, {result['machine']}.", "",
           "| figure | value | target |", "|---|---|---|",
           f"| driver RSS, base plan (125,000 x 2,048 rows) / 100x smaller (`driver_rss_full_vs_small`) | "
@@ -262,9 +323,17 @@ def main(argv=None) -> int:
           f"| seconds to the first step, 4x shards / 1x (`start_4x_vs_1x`) | {result['start_4x_vs_1x']:.3f} "
           f"(every shard hashed: {result['start_4x_vs_1x_verify']:.3f}) | <= 1.3 |",
           f"| corpus stage peak RSS, one .jsonl.gz of 4x the text / 1x (`corpus_rss_4x_vs_1x`) | "
-          f"{result['corpus_rss_4x_vs_1x']:.3f} ({result['corpus_runs'][4]['peak_rss_mb']:.0f} / "
-          f"{result['corpus_runs'][1]['peak_rss_mb']:.0f} MB; {result['corpus_runs'][4]['text_mb']:.0f} / "
-          f"{result['corpus_runs'][1]['text_mb']:.0f} MB of text) | <= 1.2 |",
+          f"{result['corpus_rss_4x_vs_1x']:.3f} ({result['corpus_runs']['4']['peak_rss_mb']:.0f} / "
+          f"{result['corpus_runs']['1']['peak_rss_mb']:.0f} MB; {result['corpus_runs']['4']['text_mb']:.0f} / "
+          f"{result['corpus_runs']['1']['text_mb']:.0f} MB of text) | <= 1.2 |",
+          f"| corpus driver's decision (duplicates, split), peak RSS, 8x the documents / 1x "
+          f"(`decide_rss_8x_vs_1x`) | {result['decide_rss_8x_vs_1x']:.3f} "
+          f"({result['decide_runs']['8x']['buckets']['rss_bytes'] / 2**20:.0f} / "
+          f"{result['decide_runs']['1x']['buckets']['rss_bytes'] / 2**20:.0f} MB, "
+          f"{result['decide_runs']['8x']['documents']:,} / {result['decide_runs']['1x']['documents']:,} documents; "
+          f"every hash at once as before: {result['decide_rss_8x_vs_1x_whole']:.3f}, "
+          f"{result['decide_runs']['8x']['whole']['rss_bytes'] / 2**20:.0f} / "
+          f"{result['decide_runs']['1x']['whole']['rss_bytes'] / 2**20:.0f} MB) | <= 1.2 |",
           "", "Pre-flight shapes (objective, layers x width, vocabulary, tokens, rows / micro-batch: estimate / measured):", ""]
     md += [f"- {r['objective']}, {r['layers']} x {r['hidden']}, {r['vocab']}, {r['seq_len']}, {r['batch']} / {r['micro']}: "
            f"{r['estimate_bytes'] / 2**20:.0f} / {r['peak_rss_bytes'] / 2**20:.0f} MB ({r['estimate_over_measured']:.3f})"

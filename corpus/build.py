@@ -4,8 +4,8 @@ The source is cut into work units (`common.sources.work_units`) and read twice, 
 Ray workers unit by unit, so memory does not grow with the corpus:
 1. scan: each document's keyed hash (exact duplicates, and its train / validation split) and a
    seeded sample of paragraphs for the tokenizer, in proportion to the unit's bytes;
-2. the driver drops every document whose hash an earlier one had, trains the tokenizer on the
-   bounded sample, and numbers the documents;
+2. the driver drops every document whose hash an earlier one had (a bucket of hashes in memory at a
+   time, `_decide`), trains the tokenizer on the bounded sample, and numbers the documents;
 3. pack: each worker tokenizes its unit and packs it into its own part files per split (Parquet
    plus the memory-mappable token arrays the generator's actors read).
 Everything is built in a staging folder next to the output: a killed build resumes there and
@@ -203,11 +203,14 @@ class PartWriter:
                     path.with_suffix(".raw").unlink(missing_ok=True)
 
 
-def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, keep: np.ndarray, valid: np.ndarray,
-              doc_id_start: int, max_seq_len: int, min_seq_len: int, skip_bad: bool = False) -> dict:
-    """Pass 2: tokenize the unit's kept documents and write its part files (one per non-empty split)."""
+def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, masks: tuple, doc_id_start: int, max_seq_len: int,
+              min_seq_len: int, skip_bad: bool = False) -> dict:
+    """Pass 2: tokenize the unit's kept documents and write its part files (one per non-empty split).
+    `masks`: (the unit's first document's index, valid_fraction, `Decision.force`), which and how its
+    documents are kept, read here from the driver's decision in `out_dir/scan/` (`unit_masks`)."""
     time.sleep(float(os.environ.get(SLOW_ENV, "0")))
     out = Path(out_dir)
+    keep, valid = unit_masks(out / "scan", unit.index, *masks)
     tok = open_tokenizer(out)
     writers = {s: PartWriter(out, s, unit.index) for s in SPLITS}  # rows leave memory every FLUSH_ROWS
     names, documents, doc_id, encode_s = [], 0, doc_id_start, 0.0
@@ -336,44 +339,175 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
                  budget * u.bytes / total_bytes)) for u in todo]
     log(f"corpus: scanning {len(todo)} of {len(units)} units (hashes, split, tokenizer sample)")
     _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
-    scans = [{"hashes": np.load(paths[u.index].with_suffix(".npy")),
-              **json.loads(paths[u.index].with_suffix(".json").read_text())} for u in units]
+    # the units' samples (bounded in all) and bad documents; their hashes stay in their files (`_decide`)
+    scans = [json.loads(paths[u.index].with_suffix(".json").read_text()) for u in units]
     skipped = [message for s in scans for message in s["skipped"]]
     if skipped:
         log(f"corpus: skipped {len(skipped)} bad document(s) ([corpus] on_bad_input = 'skip'), e.g. {skipped[0]}")
     return scans
 
 
-def _decide(scans: list[dict], valid_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray], int]:
-    """Per unit: which documents to keep (the first of each hash) and which are held out; duplicates.
-    At least one document on each side of the split."""
-    hashes = np.concatenate([s["hashes"] for s in scans]) if scans else np.zeros(0, np.uint64)
-    keep = np.zeros(len(hashes), dtype=bool)
-    keep[np.unique(hashes, return_index=True)[1]] = True
-    valid = valid_mask(hashes, valid_fraction)
-    if not len(hashes):
+# (hash, document index) pairs of the dedup buckets; a bucket holds about this many documents
+PAIR = np.dtype([("hash", "<u8"), ("index", "<i8")])
+DEDUP_BUCKET_DOCS = 1 << 22  # 64 MB of pairs
+
+
+@dataclasses.dataclass
+class Decision:
+    """What the driver decided of every document: the keep masks on disk, one file per unit beside its
+    hashes (`scan/unit-NNNNN.keep.npy`), and a few numbers per unit or in all."""
+    scan_dir: Path
+    valid_fraction: float
+    documents: int          # read, in all
+    starts: list[int]       # per unit: the index of its first document among all (in unit order)
+    force: tuple[int, int]  # the index of a document held out against its hash, and of one trained on (-1: none)
+    duplicates: int
+    kept: list[int] = dataclasses.field(default_factory=list)      # per unit: documents kept
+    held_out: list[int] = dataclasses.field(default_factory=list)  # per unit: kept documents held out
+
+    def masks(self, unit: int) -> tuple[np.ndarray, np.ndarray]:
+        return unit_masks(self.scan_dir, unit, self.starts[unit], self.valid_fraction, self.force)
+
+
+def unit_masks(scan_dir: str | Path, unit: int, start: int, valid_fraction: float,
+               force: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A unit's documents: which are kept (`_decide`'s file) and which held out (by hash, but for the one or
+    two documents `force` moves to keep both sides of the split non-empty)."""
+    scan_dir = Path(scan_dir)
+    keep = np.load(scan_dir / f"unit-{unit:05d}.keep.npy")
+    valid = valid_mask(np.load(scan_dir / f"unit-{unit:05d}.npy"), valid_fraction)
+    for index, value in zip(force, (True, False)):
+        if start <= index < start + len(valid):
+            valid[index - start] = value
+    return keep, valid
+
+
+class _SortedIndices:
+    """A file of ascending int64 values read a chunk at a time: `below(limit)` returns the next ones under
+    `limit`."""
+
+    def __init__(self, path: Path, chunk: int = 1 << 15):
+        self.file, self.chunk, self.buffer = open(path, "rb"), chunk, np.zeros(0, np.int64)
+
+    def below(self, limit: int) -> np.ndarray:
+        taken = []
+        while True:
+            n = int(np.searchsorted(self.buffer, limit))
+            taken.append(self.buffer[:n])
+            self.buffer = self.buffer[n:]
+            if len(self.buffer):
+                break
+            self.buffer = np.frombuffer(self.file.read(8 * self.chunk), dtype="<i8")
+            if not len(self.buffer):
+                break
+        return np.concatenate(taken) if len(taken) > 1 else taken[0]
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket_docs: int = 0) -> Decision:
+    """Which documents to keep (the first of each hash, in unit order) and which are held out (by hash), at
+    least one document on each side of the split; duplicates. In memory bounded by a bucket, not the corpus:
+    all hashes at once (8 bytes a document, about 40 at the peak of finding the first of each) were ~10 GB
+    at 1 TB. The (hash, index) pairs go to buckets by their hashes' top bits, about `bucket_docs` each (a
+    hash's copies all in one); each bucket keeps the first of each of its hashes, their indices written in
+    order; the units' keep masks are then merged from the buckets' sorted indices, a unit at a time."""
+    counts = [_npy_length(scan_dir / f"unit-{u.index:05d}.npy") for u in units]
+    starts = np.cumsum([0] + counts).tolist()
+    total = starts[-1]
+    if not total:
         raise CorpusError("the corpus source holds no text (every document is empty)")
-    if keep.sum() < 2:
-        raise CorpusError(f"the corpus has {int(keep.sum())} distinct document(s); at least 2 are needed "
+    bits = max(0, math.ceil(math.log2(total / (bucket_docs or DEDUP_BUCKET_DOCS))))
+    for stale in scan_dir.glob("bucket-*"):
+        stale.unlink()
+    pairs_paths = [scan_dir / f"bucket-{b:05d}.pairs" for b in range(1 << bits)]
+    files = [open(path, "wb") for path in pairs_paths]
+    try:
+        for u, start in zip(units, starts):
+            hashes = np.load(scan_dir / f"unit-{u.index:05d}.npy")
+            pairs = np.empty(len(hashes), PAIR)
+            pairs["hash"], pairs["index"] = hashes, np.arange(start, start + len(hashes))
+            if not bits:
+                files[0].write(pairs.tobytes())
+                continue
+            bucket = (hashes >> np.uint64(64 - bits)).astype(np.int64)
+            order = np.argsort(bucket, kind="stable")  # a bucket's pairs stay in index order
+            bounds = np.searchsorted(bucket[order], np.arange((1 << bits) + 1))
+            for b in np.flatnonzero(np.diff(bounds)):
+                files[b].write(pairs[order[bounds[b]:bounds[b + 1]]].tobytes())
+    finally:
+        for f in files:
+            f.close()
+    kept_total = valid_total = 0
+    lowest, highest = (2**64, -1), (-1, -1)  # (hash, index) of the kept documents with the least and most hash
+    for path in pairs_paths:
+        kept, held_out, least, most = _first_of_each(path, valid_fraction)
+        kept_total, valid_total = kept_total + kept, valid_total + held_out
+        lowest, highest = min(lowest, least), max(highest, most)
+    if kept_total < 2:
+        raise CorpusError(f"the corpus has {kept_total} distinct document(s); at least 2 are needed "
                           f"to hold one out for validation")
-    kept = np.flatnonzero(keep)
-    if not valid[kept].any():   # too few documents for the fraction: hold out the smallest hash
-        valid[kept[np.argmin(hashes[kept])]] = True
-    if valid[kept].all():
-        valid[kept[np.argmax(hashes[kept])]] = False
-    bounds = np.cumsum([0] + [len(s["hashes"]) for s in scans])
-    return ([keep[a:b] for a, b in zip(bounds[:-1], bounds[1:])], [valid[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-            int(len(hashes) - keep.sum()))
+    # too few documents for the fraction: the least hash held out; every one held out: the greatest trained on
+    force = (lowest[1] if valid_total == 0 else -1, highest[1] if valid_total == kept_total else -1)
+    decision = Decision(scan_dir, valid_fraction, total, starts[:-1], force, total - kept_total)
+    readers = [_SortedIndices(path.with_suffix(".kept")) for path in pairs_paths]
+    try:
+        for u, start, count in zip(units, starts, counts):
+            keep = np.zeros(count, dtype=bool)
+            for reader in readers:
+                keep[reader.below(start + count) - start] = True
+            with atomic_path(scan_dir / f"unit-{u.index:05d}.keep.npy") as tmp:
+                with open(tmp, "wb") as f:
+                    np.save(f, keep)
+            _, valid = decision.masks(u.index)
+            decision.kept.append(int(keep.sum()))
+            decision.held_out.append(int((keep & valid).sum()))
+    finally:
+        for reader in readers:
+            reader.close()
+    for path in pairs_paths:
+        path.with_suffix(".kept").unlink()
+    return decision
 
 
-def _train_tokenizer(scans, keeps, valids, config: RunConfig, staging: Path, log) -> Tokenizer:
+def _first_of_each(path: Path, valid_fraction: float) -> tuple[int, int, tuple, tuple]:
+    """One bucket of `_decide`: the indices of the first document of each of its hashes, sorted, to `.kept`
+    beside it (its pairs file removed); their number, how many are held out, and the (hash, index) of the
+    least and the greatest hash. A function of its own so that one bucket's arrays are gone before the
+    next one's are made."""
+    pairs = np.fromfile(path, dtype=PAIR)
+    unique, first = np.unique(pairs["hash"], return_index=True)  # the first occurrence of each
+    kept = pairs["index"][first]
+    del pairs, first
+    np.sort(kept).astype("<i8").tofile(path.with_suffix(".kept"))
+    path.unlink()
+    if not len(unique):
+        return 0, 0, (2**64, -1), (-1, -1)
+    return (len(unique), int(valid_mask(unique, valid_fraction).sum()), (int(unique[0]), int(kept[0])),
+            (int(unique[-1]), int(kept[-1])))
+
+
+def _npy_length(path: Path) -> int:
+    """The number of values in a 1-d .npy file, from its header."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return int(read(f)[0][0])
+
+
+def _train_tokenizer(scans, decision: Decision, config: RunConfig, staging: Path, log) -> Tokenizer:
     meta = staging / META_FILE
     if meta.is_file():
         try:
             return open_tokenizer(staging)
         except (ValueError, FileNotFoundError):
             pass
-    lines = [text for s, k, v in zip(scans, keeps, valids) for i, _, text in s["sample"] if k[i] and not v[i]]
+    lines = []
+    for unit, scan in enumerate(scans):
+        if scan["sample"]:
+            keep, valid = decision.masks(unit)
+            lines += [text for i, _, text in scan["sample"] if keep[i] and not valid[i]]
     source = hf.hf_dir(config.aux.source)
     if source is not None:  # the aux model's own tokenizer, renumbered by frequency in the sample
         log(f"corpus: the tokenizer of {source}, ordered on {len(lines)} sampled paragraphs")
@@ -476,12 +610,12 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         seconds = {"start": time.time() - t_start}
         scans = _scan_all(units, cfg, config, staging, workers, address, total_bytes, log)
         seconds["scan"] = time.time() - t_start - sum(seconds.values())
-        keeps, valids, duplicates = _decide(scans, cfg.valid_fraction)
+        decision = _decide(units, staging / "scan", cfg.valid_fraction)
         skipped = sum(len(s["skipped"]) for s in scans)
-        tok = _train_tokenizer(scans, keeps, valids, config, staging, log)
+        tok = _train_tokenizer(scans, decision, config, staging, log)
         seconds["tokenizer"] = time.time() - t_start - sum(seconds.values())
         del scans  # the tokenizer sample is no longer needed
-        return _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir,
+        return _pack_and_publish(config, source, files, units, decision, tok, staging, out_dir,
                                  workers, address, t_start, seconds, log, skipped)
     except SourceUnreadable as e:  # maybe passing (a network file system): the same command continues
         raise SourceUnreadable(f"{e}; the work done so far is kept in {staging}: if the read failed in passing "
@@ -498,7 +632,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
             ray.shutdown()  # the Ray this build started (a caller's own Ray is left running)
 
 
-def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, tok, staging, out_dir, workers,
+def _pack_and_publish(config, source, files, units, decision: Decision, tok, staging, out_dir, workers,
                       address, t_start, seconds, log, skipped: int) -> Path:
     cfg, key, total_bytes = config.corpus, build_key(config, files), sum(u.bytes for u in units)
 
@@ -507,9 +641,10 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
             if all(_part_intact(staging, p, r.get("stamps", {}), hashed) for p in r["parts"].values())}
     if hashed:
         log(f"corpus: hashed {len(hashed)} part file(s) again, their size or time changed since they were recorded")
-    doc_starts = np.cumsum([0] + [int(k.sum()) for k in keeps])
-    jobs = [(u, (cfg.text_column, str(staging), keeps[u.index], valids[u.index], int(doc_starts[u.index]),
-                 cfg.max_seq_len, cfg.min_seq_len, cfg.on_bad_input == "skip")) for u in units if u.index not in done]
+    doc_starts = np.cumsum([0] + decision.kept).tolist()
+    masks = lambda u: (decision.starts[u.index], decision.valid_fraction, decision.force)  # read by the worker
+    jobs = [(u, (cfg.text_column, str(staging), masks(u), doc_starts[u.index], cfg.max_seq_len, cfg.min_seq_len,
+                 cfg.on_bad_input == "skip")) for u in units if u.index not in done]
 
     def record(result):  # with each file's size and time: a restart trusts them as they are, unread
         stamps = {p: file_stamp(staging / p) for part in result["parts"].values() for p, _, _ in _part_files(part)}
@@ -528,9 +663,9 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
         "source_files": len(files), "source_bytes": total_bytes, "units": len(units),
         "max_seq_len": cfg.max_seq_len, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256,
         **({} if tok.reserved == Reserved() else {"reserved_ids": dataclasses.asdict(tok.reserved)}),
-        "documents": {"read": int(sum(len(k) for k in keeps)), "duplicates": duplicates, "skipped_bad": skipped,
-                      "train": int(sum((k & ~v).sum() for k, v in zip(keeps, valids))),
-                      "valid": int(sum((k & v).sum() for k, v in zip(keeps, valids)))},
+        "documents": {"read": decision.documents, "duplicates": decision.duplicates,
+                      "skipped_bad": skipped, "train": sum(decision.kept) - sum(decision.held_out),
+                      "valid": sum(decision.held_out)},
         "config": {"corpus": config_to_dict(config)["corpus"], "tokenizer": config_to_dict(config)["tokenizer"],
                    "seed": config.seed},
     }
@@ -551,7 +686,7 @@ def _pack_and_publish(config, source, files, units, keeps, valids, duplicates, t
     log("corpus: seconds " + ", ".join(f"{k} {v:.2f}" for k, v in {**seconds, "encode_in_pack": encode_s}.items()))
     log(f"corpus: train {meta['train']['rows']} rows / {meta['train']['tokens']} tokens, "
         f"valid {meta['valid']['rows']} rows; {meta['documents']['train']} + {meta['documents']['valid']} "
-        f"documents, {duplicates} duplicates dropped; vocab {tok.vocab_size}; "
+        f"documents, {decision.duplicates} duplicates dropped; vocab {tok.vocab_size}; "
         f"{total_bytes / 1e6 / max(time.time() - t_start, 1e-9):.2f} MB/s, {time.time() - t_start:.1f}s -> {out_dir}")
     return out_dir
 

@@ -126,7 +126,9 @@ def test_build_corpus_rows_stay_inside_their_document(tmp_path):
             assert tok.decode(ids[1:-1]).strip() in raw[doc_id]
 
 
-def test_exact_duplicates_are_dropped_and_the_first_kept(tmp_path):
+def test_exact_duplicates_are_dropped_and_the_first_kept(tmp_path, monkeypatch):
+    """The first of each text is kept, its copies dropped; deduplicating in buckets of 2 documents (`_decide`)
+    gives the same corpus, byte for byte."""
     raw = write_text_corpus(tmp_path / "raw", num_docs=4)
     text = (raw / "work_01.txt").read_text()
     (raw / "work_01_copy.txt").write_text(text)  # the same text under another name
@@ -136,6 +138,10 @@ def test_exact_duplicates_are_dropped_and_the_first_kept(tmp_path):
     assert meta["documents"]["duplicates"] == 1 and meta["documents"]["read"] == 5
     names = [d["name"] for d in pq.read_table(config.corpus_dir / "documents").to_pylist()]
     assert "work_01.txt" in names and "work_01_copy.txt" not in names  # the first one is kept
+    import corpus.build
+    monkeypatch.setattr(corpus.build, "DEDUP_BUCKET_DOCS", 2)
+    build_corpus(config, tmp_path / "in-buckets", **quiet)
+    assert digest(tmp_path / "in-buckets") == digest(config.corpus_dir)
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_folder", "blank_files"])
@@ -488,6 +494,64 @@ def test_a_split_of_more_parts_than_its_file_limit_keeps_open_reads_every_row_an
         assert len(said) == notes, result.stderr
         assert not notes or "has 20 parts in a split, more than the 12 this process keeps open" in said[0] \
             and "(ulimit -Hn) of 160 or more, 96 here" in said[0]
+
+
+def whole_corpus_rule(hashes: np.ndarray, valid_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The decision made on every hash at once (the driver's way until 2026-11-25): the first of each hash kept,
+    held out by hash, the kept document of least hash held out if none is, of greatest trained on if all are."""
+    from corpus.build import valid_mask
+    keep = np.zeros(len(hashes), dtype=bool)
+    keep[np.unique(hashes, return_index=True)[1]] = True
+    valid = valid_mask(hashes, valid_fraction)
+    kept = np.flatnonzero(keep)
+    if not valid[kept].any():
+        valid[kept[np.argmin(hashes[kept])]] = True
+    if valid[kept].all():
+        valid[kept[np.argmax(hashes[kept])]] = False
+    return keep, valid
+
+
+def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
+    """`_decide` holds one bucket of hashes at a time (not the corpus: ~10 GB at 1 TB) and gives every unit the
+    keep and held-out masks of the rule applied to all hashes at once: 40 units of 0 to 1,500 documents, a
+    third of them copies of earlier ones (in the same unit or another), with 1, 2 and 64 buckets, at a
+    held-out fraction of 0.2, 0 (the least hash forced out) and 1 (the greatest forced in)."""
+    from types import SimpleNamespace
+    from corpus.build import _decide
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 1500, 40)
+    counts[[3, 17]] = 0
+    hashes = rng.integers(0, 2**64, counts.sum(), dtype=np.uint64)
+    copies = rng.random(len(hashes)) < 1 / 3
+    for i in np.flatnonzero(copies)[1:]:
+        hashes[i] = hashes[rng.integers(0, i)]
+    scan = tmp_path / "scan"
+    scan.mkdir()
+    units = [SimpleNamespace(index=u) for u in range(len(counts))]
+    bounds = np.cumsum([0, *counts])
+    for u in units:
+        np.save(scan / f"unit-{u.index:05d}.npy", hashes[bounds[u.index]:bounds[u.index + 1]])
+    for fraction in (0.2, 0.0, 1.0):
+        keep, valid = whole_corpus_rule(hashes, fraction)
+        for bucket_docs in (1 << 22, len(hashes) // 2 + 1, len(hashes) // 64):
+            decision = _decide(units, scan, fraction, bucket_docs=bucket_docs)
+            for u in units:
+                a, b = bounds[u.index], bounds[u.index + 1]
+                got_keep, got_valid = decision.masks(u.index)
+                assert np.array_equal(got_keep, keep[a:b]) and np.array_equal(got_valid, valid[a:b])
+            assert decision.duplicates == len(hashes) - keep.sum() > 0
+            assert sum(decision.held_out) == (keep & valid).sum() and sum(decision.kept) == keep.sum()
+            assert sorted(p.name for p in scan.iterdir() if "bucket" in p.name) == []  # nothing left behind
+    for u in units[2:]:
+        np.save(scan / f"unit-{u.index:05d}.npy", np.zeros(0, np.uint64))
+    np.save(scan / "unit-00000.npy", hashes[:1])
+    np.save(scan / "unit-00001.npy", hashes[:1])
+    with pytest.raises(CorpusError, match="has 1 distinct document"):
+        _decide(units, scan, 0.2)
+    np.save(scan / "unit-00000.npy", np.zeros(0, np.uint64))
+    np.save(scan / "unit-00001.npy", np.zeros(0, np.uint64))
+    with pytest.raises(CorpusError, match="holds no text"):
+        _decide(units, scan, 0.2)
 
 
 def test_the_held_out_split_of_all_documents_at_once_is_the_one_by_one_rule():
