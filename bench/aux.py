@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import peak_rss_bytes
 from common.config import config_from_dict, config_to_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from common.tokenizer import SPECIAL_IDS
@@ -89,7 +89,7 @@ def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layer
         loss, *_ = update(model, model, optimizer, scheduler, micro_rows, to_batch, torch.device("cpu"), autocast, 1,
                           tc, partial(masked_count, mask_prob=config.aux.mask_prob))
         losses.append(float(loss))  # the update leaves it on the device
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return {"peak_rss_bytes": peak, "estimate_bytes": estimate_peak_bytes(config, vocab, micro, "cpu", accumulating=micro < batch),
             "seconds": time.time() - t0, "losses": losses, "layers": config.model.num_layers,
             "hidden": config.model.hidden_size, "vocab": vocab, "seq_len": seq_len, "batch": batch, "micro": micro,

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import peak_rss_bytes
 from common.checkpoint import AUX_FILE
 from common.config import load_manifest
 from common.corpus import SplitRows, load_corpus_meta, load_split
@@ -146,7 +146,7 @@ def memory_probe(manifest: str, corpus_dir: str, aux_path: str, shards: int) -> 
         writer = ShardWriter(rows, corruptor, tmp, config.generate.zstd_level)
         for task in tasks:
             writer(task)
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mb": peak_rss_bytes() / 2**20}))
 
 
 def peak_rss(manifest: str, corpus_dir: Path, aux_path: Path, shards: int) -> float:

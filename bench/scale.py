@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import peak_rss_bytes
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 
@@ -51,13 +51,13 @@ def plan_probe(steps: int, corpus_rows: int) -> dict:
     """In this (fresh) process: plan base's generation for `steps` updates over a corpus of `corpus_rows`."""
     from common.plan import plan_tasks, stream_plan
     config = load_manifest(BASE, [f"train.max_steps={steps}"])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_bytes()
     plan = stream_plan(corpus_rows, config)
     tasks = plan_tasks(corpus_rows, 10_000, config.generate, config.seed, plan.total_rows)
     rows = sum(t.count for t in tasks)
     sample = tasks[len(tasks) // 2].row_ids  # what an actor derives for one task
-    return {"rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "before_bytes": before * 1024,
-            "tasks": len(tasks), "rows": rows, "sample_rows": len(sample)}
+    return {"rss_bytes": peak_rss_bytes(), "before_bytes": before, "tasks": len(tasks), "rows": rows,
+            "sample_rows": len(sample)}
 
 
 def run_probe(kind: str, *args) -> dict:
@@ -264,15 +264,6 @@ def decide_probe(folder: str, units: int, whole: bool) -> dict:
     else:
         duplicates = _decide(unit_list, Path(folder), 0.01).duplicates
     return {"rss_bytes": peak_rss_bytes(), "before_bytes": before, "seconds": time.time() - t0, "duplicates": duplicates}
-
-
-def peak_rss_bytes() -> int:
-    """This process image's peak RSS (VmHWM): getrusage's ru_maxrss keeps, across exec, the peak of the
-    process that forked it (here the benchmark holding the hashes it wrote)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def decide_memory(tmp: Path) -> dict:
