@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import peak_rss_bytes
+from common.memory import peak_rss_bytes
 from common.config import config_from_dict, config_to_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from common.tokenizer import SPECIAL_IDS

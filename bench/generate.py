@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import peak_rss_bytes
+from common.memory import peak_rss_bytes
 from common.checkpoint import AUX_FILE
 from common.config import load_manifest
 from common.corpus import SplitRows, load_corpus_meta, load_split

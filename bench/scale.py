@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import peak_rss_bytes
+from common.memory import peak_rss_bytes
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 

@@ -153,3 +153,16 @@ def preflight(config: RunConfig, vocab_size: int, micro: int, device: torch.devi
                           f"{need / 2**30:.2f} GiB by the pre-flight estimate ({params / 1e6:.1f}M parameters), "
                           f"but {source} is {have / 2**30:.2f} GiB; {advice}")
     return need
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM, Linux). Not getrusage's ru_maxrss: Linux keeps it across exec, so a
+    process read at least its parent's RSS at the fork (a trainer under a launcher, a benchmark's probe)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB (not Linux: unused)

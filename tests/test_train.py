@@ -201,3 +201,24 @@ def _raised(fn, *args) -> str:
     except Exception as e:  # noqa: BLE001 - the test names what came out
         return f"{type(e).__name__}: {e}"
     return "nothing"
+
+
+@pytest.mark.slow
+def test_the_logged_peak_memory_is_the_trainers_own_not_its_launchers(generated, tmp_path, env_with_repo):
+    """metrics.jsonl's `peak_memory_mb` on CPU under a launcher that holds 2 GiB: the trainer's own peak
+    (getrusage's ru_maxrss, read before, kept the launcher's RSS at the fork across exec: over 2,048 MB here)."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    launcher = ("import subprocess, sys\n"
+                "held = bytearray(2 << 30)\n"
+                "held[::4096] = b'x' * len(range(0, len(held), 4096))  # resident\n"
+                f"sys.exit(subprocess.run(sys.argv[1:]).returncode)\n")
+    result = subprocess.run([sys.executable, "-c", launcher, sys.executable, "-m", "train", "--manifest", str(manifest),
+                             "--data", str(data), "--out", str(run), "--set", "train.max_steps=2"], cwd=ROOT,
+                            env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = [json.loads(line)["peak_memory_mb"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert peaks and all(100 < peak < 1500 for peak in peaks), peaks

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import math
 import os
-import resource
 import signal
 import threading
 import time
@@ -35,7 +34,7 @@ from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
 from common.io import FolderLock, atomic_write_json, atomic_write_text, parse_jsonl, remove_stale_tmp
 from common.storage import is_remote, location
-from common.memory import preflight
+from common.memory import peak_rss_bytes, preflight
 from common.model import ReplacedTokenDetector, count_parameters
 from common.optim import build_optimizer, build_scheduler
 from train import state
@@ -53,7 +52,7 @@ PLOT_INTERVAL_S = 60.0
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return peak_rss_bytes() / 2**20
 
 
 @torch.no_grad()
