@@ -90,11 +90,15 @@ class SplitRows:
                 os.close(fd)
             if not self._reopens_said:
                 self._reopens_said = True
+                remedy = ""
+                if self._by_limit:
+                    remedy = (f"; a file limit (ulimit -Hn) of {8 * len(self.parts):,} or more, "
+                              f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]:,} here, reads without"
+                              if 8 * len(self.parts) <= MAX_FILE_LIMIT else
+                              "; a corpus built with a larger corpus.unit_mb has fewer parts")
                 print(f"note: {self.corpus_dir} has {len(self.parts):,} parts in a split, more than the "
                       f"{self.open_parts:,} this process keeps open: rows of closed parts are read by opening them "
-                      f"again, slower" + (f"; a file limit (ulimit -Hn) of {8 * len(self.parts):,} or more, "
-                                          f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]:,} here, reads without" if self._by_limit else ""),
-                      file=sys.stderr, flush=True)
+                      f"again, slower{remedy}", file=sys.stderr, flush=True)
         known, fds, starts = self._data_starts.get(k), [], []
         try:
             for n, (kind, dtype, count) in enumerate((("tokens", "<i4", None),
@@ -142,11 +146,14 @@ def _npy_data_start(path: Path, fd: int, dtype: str, count: int | None) -> int:
         return f.tell()
 
 
+MAX_FILE_LIMIT = 1 << 20  # the highest soft file limit asked for (Node.js caps its own raise there too)
+
+
 def _open_parts_allowed() -> int:
     """Parts a split may keep open: an eighth of this process's file limit (two files a part, a generator
     actor's two splits, and room for everything else), the soft limit first raised to the hard one (up to
     Docker's default hard limit, 2^20: 131,072 parts, 8 TB of text at unit_mb 64)."""
-    wanted = 1 << 20
+    wanted = MAX_FILE_LIMIT
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     unlimited = lambda n: n == resource.RLIM_INFINITY
     if not unlimited(soft) and soft < wanted and (unlimited(hard) or soft < hard):

@@ -411,14 +411,16 @@ def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket
     least one document on each side of the split; duplicates. In memory bounded by a bucket, not the corpus:
     all hashes at once (8 bytes a document, about 40 at the peak of finding the first of each) were ~10 GB
     at 1 TB. The (hash, index) pairs go to buckets by their hashes' top bits, about `bucket_docs` each (a
-    hash's copies all in one); each bucket keeps the first of each of its hashes, their indices written in
-    order; the units' keep masks are then merged from the buckets' sorted indices, a unit at a time."""
+    hash's copies all in one, a unit's own copies left out first); each bucket keeps the first of each of its
+    hashes, their indices written in order; the units' keep masks are then merged from the buckets' sorted
+    indices, a unit at a time."""
     counts = [_npy_length(scan_dir / f"unit-{u.index:05d}.npy") for u in units]
     starts = np.cumsum([0] + counts).tolist()
     total = starts[-1]
     if not total:
         raise CorpusError("the corpus source holds no text (every document is empty)")
-    bits = max(0, math.ceil(math.log2(total / (bucket_docs or DEDUP_BUCKET_DOCS))))
+    # at most 256 buckets: their files are open at once (past 1G documents a bucket holds more than bucket_docs)
+    bits = min(8, max(0, math.ceil(math.log2(total / (bucket_docs or DEDUP_BUCKET_DOCS)))))
     for stale in scan_dir.glob("bucket-*"):
         stale.unlink()
     pairs_paths = [scan_dir / f"bucket-{b:05d}.pairs" for b in range(1 << bits)]
@@ -426,8 +428,13 @@ def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket
     try:
         for u, start in zip(units, starts):
             hashes = np.load(scan_dir / f"unit-{u.index:05d}.npy")
+            # a unit's own copies are duplicates already: one pair per hash and unit, so a text repeated
+            # millions of times (boilerplate) fills its bucket with one pair per unit at most
+            hashes, first = np.unique(hashes, return_index=True)
+            order = np.argsort(first)
             pairs = np.empty(len(hashes), PAIR)
-            pairs["hash"], pairs["index"] = hashes, np.arange(start, start + len(hashes))
+            pairs["hash"], pairs["index"] = hashes[order], start + first[order]
+            hashes = pairs["hash"]
             if not bits:
                 files[0].write(pairs.tobytes())
                 continue

@@ -37,19 +37,29 @@ def write_text_corpus(folder: Path, num_docs: int = 6, sentences: int = 120, see
 def run_ranks(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)` for a launcher and its ranks; on a
     timeout, every process of the command is first asked for its stacks (SIGUSR1, which the stages answer
-    through `common.process.stacks_on_sigusr1`), then killed, and the test fails with the stacks: where a
-    run hung (a rank in a collective, the launcher) shows in the test's failure, in CI too."""
+    through `common.process.stacks_on_sigusr1`; the ranks before their launcher, which a bare torchrun does not
+    survive, and the ranks die with it), then killed, and the test fails with the stacks: where a run hung
+    shows in the test's failure, in CI too. The command never outlives the call, whatever stops it."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kwargs)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        tree = [proc.pid, *descendants(proc.pid)]  # torchrun starts each rank in a session of its own
-        signal_all(tree, signal.SIGUSR1, pause=1.0)
-        signal_all(tree, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout:g} s; its output and stacks:\n"
-                    f"{out[-3000:]}\n{err[-20000:]}")
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*reversed(descendants(proc.pid)), proc.pid]:  # one at a time: they share a stderr
+                signal_all([pid], signal.SIGUSR1)
+                try:
+                    proc.communicate(timeout=1.0)  # reading the pipes meanwhile (a retry loses no output)
+                except subprocess.TimeoutExpired:
+                    pass
+            signal_all([*descendants(proc.pid), proc.pid], signal.SIGKILL)
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout:g} s; its output and stacks:\n"
+                        f"{out[-3000:]}\n{err[-20000:]}")
+    finally:
+        if proc.poll() is None:
+            signal_all([*descendants(proc.pid), proc.pid], signal.SIGKILL)
+            proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

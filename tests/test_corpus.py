@@ -514,7 +514,7 @@ def whole_corpus_rule(hashes: np.ndarray, valid_fraction: float) -> tuple[np.nda
 def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
     """`_decide` holds one bucket of hashes at a time (not the corpus: ~10 GB at 1 TB) and gives every unit the
     keep and held-out masks of the rule applied to all hashes at once: 40 units of 0 to 1,500 documents, a
-    third of them copies of earlier ones (in the same unit or another), with 1, 2 and 64 buckets, at a
+    third of them copies of earlier ones (in the same unit or another), with 1, 2, 64 and 256 buckets, at a
     held-out fraction of 0.2, 0 (the least hash forced out) and 1 (the greatest forced in)."""
     from types import SimpleNamespace
     from corpus.build import _decide
@@ -533,7 +533,7 @@ def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
         np.save(scan / f"unit-{u.index:05d}.npy", hashes[bounds[u.index]:bounds[u.index + 1]])
     for fraction in (0.2, 0.0, 1.0):
         keep, valid = whole_corpus_rule(hashes, fraction)
-        for bucket_docs in (1 << 22, len(hashes) // 2 + 1, len(hashes) // 64):
+        for bucket_docs in (1 << 22, len(hashes) // 2 + 1, len(hashes) // 64, 1):  # 1: capped at 256 buckets
             decision = _decide(units, scan, fraction, bucket_docs=bucket_docs)
             for u in units:
                 a, b = bounds[u.index], bounds[u.index + 1]

@@ -11,15 +11,19 @@ import signal
 import sys
 import time
 
-from tqdm import tqdm
+from common.process import die_with_parent, stacks_on_sigusr1, stop_with_launcher
 
-from common.checkpoint import IncompatibleInputs
-from common.config import ConfigError, add_manifest_argument, add_set_argument
-from common.io import DamagedFile, DiskFull, FolderLocked
-from common.process import die_with_parent, stop_with_launcher
-from common.sources import CorpusError
-from train.data import DataError
-from train.trainer import Stopped, train
+if __name__ == "__main__":  # before torch is imported: a rank whose start-up hangs shows where too
+    stacks_on_sigusr1()
+
+from tqdm import tqdm  # noqa: E402
+
+from common.checkpoint import IncompatibleInputs  # noqa: E402
+from common.config import ConfigError, add_manifest_argument, add_set_argument  # noqa: E402
+from common.io import DamagedFile, DiskFull, FolderLocked  # noqa: E402
+from common.sources import CorpusError  # noqa: E402
+from train.data import DataError  # noqa: E402
+from train.trainer import Stopped, train  # noqa: E402
 
 # Fault injection for tests: SIGKILL this process right after finishing step N (a real kill, not an exception);
 # sleep this many seconds after every step (a run slow enough to be killed from outside).
@@ -80,14 +84,15 @@ def main(argv=None) -> int:
         sys.stdout.flush()  # still waiting for the generator is not waited for
         sys.stderr.flush()
         os._exit(128 + signal.SIGTERM)
-    return 0
+    return leave(0)
 
 
 def leave(code: int) -> int:
-    """A rank that stops on an error under torchrun ends here, with `code`: at interpreter shutdown the
-    process group it never destroyed (the other ranks are stopping too) can abort the process (SIGABRT,
+    """A rank under torchrun ends here, with `code`, its process group never torn down: on an error, at
+    interpreter shutdown the group (the other ranks are stopping too) can abort the process (SIGABRT,
     "terminate called without an active exception"), and the launcher would then report that abort
-    instead of the error's exit code. Everything worth keeping is written and flushed by now."""
+    instead of the error's exit code; at a run's end, gloo's teardown can deadlock (train.trainer.run's
+    end). Everything worth keeping is written and flushed by now; one rank alone returns `code`."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         sys.stdout.flush()
@@ -97,6 +102,4 @@ def leave(code: int) -> int:
 
 
 if __name__ == "__main__":
-    from common.process import stacks_on_sigusr1
-    stacks_on_sigusr1()
     sys.exit(main())

@@ -416,9 +416,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
             print(f"train: stopped by SIGTERM after step {progress.step} of {total_steps}, checkpoint {saved}; "
                   f"the same command with --resume continues", flush=True)
             plot_curves(run_dir)
-        barrier(world)
-        if world > 1:
-            torch.distributed.destroy_process_group()
+        barrier(world)  # the process group is left for the process's end (train/__main__.py, `leave`)
         raise Stopped()
     elapsed = time.time() - t_start
     summary = {}
@@ -431,9 +429,11 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         summary = write_summary(run_dir, history, progress.step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
                                 progress.nonfinite_total, device, planned_steps=total_steps,
                                 corpus=config.corpus.source, data_fingerprint=manifest_hash)
+    # Every rank is past its last collective here; the process group is not torn down but left to the process's
+    # end (`os._exit` in train/__main__.py, `leave`): gloo's teardown deadlocked (a rank hung after the summary, once in
+    # CI): the main thread, holding the GIL, joined a gloo thread that was freeing the last barrier's work and
+    # waited for the GIL to release its tensors (~ProcessGroupGloo, from the DDP reducer's last reference).
     barrier(world)
-    if world > 1:
-        torch.distributed.destroy_process_group()
     return summary
 
 
