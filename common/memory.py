@@ -109,13 +109,19 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
 
 
 def _meminfo_available() -> float:
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
+    return float("inf") if available is None else available  # not Linux: no number to check against
+
+
+def _proc_bytes(path: str, key: str) -> float | None:
+    """A `KEY: N kB` line of a /proc file, in bytes; None where there is none (not Linux)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return float(line.split()[1]) * 1024
     except OSError:
         pass
-    return float("inf")  # not Linux: no number to check against
+    return None
 
 
 def _cgroup_room() -> float | None:
@@ -158,11 +164,8 @@ def preflight(config: RunConfig, vocab_size: int, micro: int, device: torch.devi
 def peak_rss_bytes() -> int:
     """This process's peak RSS (VmHWM, Linux). Not getrusage's ru_maxrss: Linux keeps it across exec, so a
     process read at least its parent's RSS at the fork (a trainer under a launcher, a benchmark's probe)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _proc_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return int(peak)
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB (not Linux: unused)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # not Linux (macOS: bytes)
