@@ -30,10 +30,11 @@ def write_split(root: Path, parts: int, rows_per_part: int = 4000, seed: int = 0
         paths = {kind: f"train/part-{k:05d}.{kind}.npy" for kind in ("tokens", "offsets")}
         np.save(root / paths["tokens"], rng.integers(5, 32000, offsets[-1]).astype(np.int32))
         np.save(root / paths["offsets"], offsets)
-        records.append({"row_start": start, "rows": rows_per_part,
-                        "flat": {kind: {"path": path, "bytes": (root / path).stat().st_size} for kind, path in paths.items()}})
+        flat = {kind: {"path": path, "bytes": (root / path).stat().st_size} for kind, path in paths.items()}
+        records.append({"row_start": start, "rows": rows_per_part, "flat": flat})
         start += rows_per_part
-    (root / "corpus.json").write_text(json.dumps({"corpus_format": CORPUS_FORMAT, "train": {"parts": records, "rows": start}}))
+    meta = {"corpus_format": CORPUS_FORMAT, "train": {"parts": records, "rows": start}}
+    (root / "corpus.json").write_text(json.dumps(meta))
     return start
 
 

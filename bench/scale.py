@@ -263,7 +263,8 @@ def decide_probe(folder: str, units: int, whole: bool) -> dict:
         del valid
     else:
         duplicates = _decide(unit_list, Path(folder), 0.01).duplicates
-    return {"rss_bytes": peak_rss_bytes(), "before_bytes": before, "seconds": time.time() - t0, "duplicates": duplicates}
+    return {"rss_bytes": peak_rss_bytes(), "before_bytes": before, "seconds": time.time() - t0,
+            "duplicates": duplicates}
 
 
 def decide_memory(tmp: Path) -> dict:
@@ -271,8 +272,9 @@ def decide_memory(tmp: Path) -> dict:
     for times in (1, 8):
         folder = tmp / f"scan-{times}x"
         units = write_scan(folder, 64 * times, 1 << 16, seed=times)  # 4M documents a time: a bucket's worth
-        runs[f"{times}x"] = {"documents": len(units) << 16, "buckets": run_probe("decide", str(folder), len(units), False),
-                       "whole": run_probe("decide", str(folder), len(units), True)}
+        runs[f"{times}x"] = {"documents": len(units) << 16,
+                             "buckets": run_probe("decide", str(folder), len(units), False),
+                             "whole": run_probe("decide", str(folder), len(units), True)}
         shutil.rmtree(folder)
     ratio = lambda way: runs["8x"][way]["rss_bytes"] / runs["1x"][way]["rss_bytes"]
     return {"decide_rss_8x_vs_1x": ratio("buckets"), "decide_rss_8x_vs_1x_whole": ratio("whole"), "decide_runs": runs}

@@ -480,8 +480,8 @@ def test_a_split_of_more_parts_than_its_file_limit_keeps_open_reads_every_row_an
         paths = {kind: f"train/part-{k:05d}.{kind}.npy" for kind in ("tokens", "offsets")}
         np.save(tmp_path / paths["tokens"], rng.integers(5, 300, offsets[-1]).astype(np.int32))
         np.save(tmp_path / paths["offsets"], offsets)
-        parts.append({"row_start": start, "rows": 5, "flat": {kind: {"path": path, "bytes": (tmp_path / path).stat().st_size}
-                                                               for kind, path in paths.items()}})
+        flat = {kind: {"path": path, "bytes": (tmp_path / path).stat().st_size} for kind, path in paths.items()}
+        parts.append({"row_start": start, "rows": 5, "flat": flat})
         start += 5
     (tmp_path / "corpus.json").write_text(json.dumps({"corpus_format": CORPUS_FORMAT,
                                                       "train": {"parts": parts, "rows": start}}))
