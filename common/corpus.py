@@ -131,13 +131,19 @@ class SplitRows:
             pass
 
 
+def npy_header(f) -> tuple[tuple, np.dtype]:
+    """The shape and dtype in the header of the .npy file open as `f`, which is left where its values start."""
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(f)
+    return shape, dtype
+
+
 def _npy_data_start(path: Path, fd: int, dtype: str, count: int | None) -> int:
     """Where the values of the 1-d .npy file open as `fd` start, its header checked (dtype; `count` values)."""
     with open(fd, "rb", closefd=False) as f:
         try:
-            version = np.lib.format.read_magic(f)
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, fortran, found = read(f)
+            shape, found = npy_header(f)
         except ValueError as e:
             raise CorpusError(f"{path} is not a .npy file ({e}); rebuild the corpus") from None
         if found != np.dtype(dtype) or len(shape) != 1 or (count is not None and shape[0] != count):
@@ -170,9 +176,7 @@ def npy_chunks(path: str | Path, chunk: int = 1 << 22):
     """The 1-d array in an .npy file, `chunk` values at a time, read with plain reads: bounded memory
     whatever the file's size (a memory map would keep every page it touched resident)."""
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _, dtype = read_header(f)
+        shape, dtype = npy_header(f)
         remaining = int(np.prod(shape))
         while remaining:
             count = min(chunk, remaining)

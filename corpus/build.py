@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from common.config import RunConfig, config_to_dict, dump_toml
-from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, term_counts
+from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, npy_header, term_counts
 from common.storage import cache_folder, is_remote, location
 from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
@@ -374,12 +374,17 @@ def unit_masks(scan_dir: str | Path, unit: int, start: int, valid_fraction: floa
     """A unit's documents: which are kept (`_decide`'s file) and which held out (by hash, but for the one or
     two documents `force` moves to keep both sides of the split non-empty)."""
     scan_dir = Path(scan_dir)
-    keep = np.load(scan_dir / f"unit-{unit:05d}.keep.npy")
-    valid = valid_mask(np.load(scan_dir / f"unit-{unit:05d}.npy"), valid_fraction)
+    return (np.load(scan_dir / f"unit-{unit:05d}.keep.npy"),
+            held_out_mask(np.load(scan_dir / f"unit-{unit:05d}.npy"), start, valid_fraction, force))
+
+
+def held_out_mask(hashes: np.ndarray, start: int, valid_fraction: float, force: tuple[int, int]) -> np.ndarray:
+    """Which of a unit's documents (`hashes`, the first at index `start` among all) are held out."""
+    valid = valid_mask(hashes, valid_fraction)
     for index, value in zip(force, (True, False)):
         if start <= index < start + len(valid):
             valid[index - start] = value
-    return keep, valid
+    return valid
 
 
 class _SortedIndices:
@@ -467,7 +472,7 @@ def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket
             with atomic_path(scan_dir / f"unit-{u.index:05d}.keep.npy") as tmp:
                 with open(tmp, "wb") as f:
                     np.save(f, keep)
-            _, valid = decision.masks(u.index)
+            valid = held_out_mask(np.load(scan_dir / f"unit-{u.index:05d}.npy"), start, valid_fraction, force)
             decision.kept.append(int(keep.sum()))
             decision.held_out.append(int((keep & valid).sum()))
     finally:
@@ -498,9 +503,7 @@ def _first_of_each(path: Path, valid_fraction: float) -> tuple[int, int, tuple, 
 def _npy_length(path: Path) -> int:
     """The number of values in a 1-d .npy file, from its header."""
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        return int(read(f)[0][0])
+        return int(npy_header(f)[0][0])
 
 
 def _train_tokenizer(scans, decision: Decision, config: RunConfig, staging: Path, log) -> Tokenizer:
