@@ -88,7 +88,9 @@ class RelativePositionBias(nn.Module):
     def forward(self, length: int) -> torch.Tensor:
         pos = torch.arange(length, device=self.bias.weight.device)
         buckets = relative_position_bucket(pos[None, :] - pos[:, None], self.num_buckets, self.max_distance)
-        return self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, heads, L, L)
+        # contiguous: a GPU's fused attention kernels take a bias only with its last dimension at stride 1 (the
+        # permuted lookup has stride `heads` there), and otherwise SDPA falls back to its math path
+        return self.bias(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()  # (1, heads, L, L)
 
 
 class EncoderLayer(nn.Module):
