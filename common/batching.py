@@ -12,6 +12,14 @@ from common.tokenizer import MASK_ID, PAD_ID, Reserved
 NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.uint8: np.uint8, torch.float32: np.float32}
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through page-locked memory and without waiting: a copy from pageable
+    memory waits for the device's queue to drain first, so the host could not run ahead of the device."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def pad_rows(rows: list[np.ndarray], pad_value: int = PAD_ID, dtype=torch.long) -> torch.Tensor:
     """(B, longest) tensor, rows left-aligned, padded with `pad_value`."""
     longest = max(len(r) for r in rows)

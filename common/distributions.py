@@ -59,8 +59,8 @@ def aux_log_probs(logits: torch.Tensor, reserved: Reserved = RESERVED) -> torch.
 def temperature_scaled(log_p: torch.Tensor, temperature: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Paper section 3, eq. 1: log p / T, one T per row (a new tensor, or `out`; normalised by the sampler)."""
     t = temperature.float()
-    if torch.isnan(t).any():
-        raise ValueError("a temperature is NaN")
+    if t.device.type == "cpu" and torch.isnan(t).any():  # on a GPU the check would wait for the device: the
+        raise ValueError("a temperature is NaN")  # Corruptor checks the temperatures on the host, before the copy
     return torch.div(log_p, t.clamp(*TEMPERATURE_RANGE)[:, None], out=out)
 
 
@@ -140,7 +140,12 @@ def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor, reserved: Re
                  scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, rows without mass). Five passes over (K, V), in place on `log_weights`; the CDF in `scratch`."""
     _fill_reserved(log_weights, reserved, float("-inf"))
-    log_weights -= log_weights.amax(dim=-1, keepdim=True)  # the values alone: max(dim) also finds indices, ~7x slower on CPU
+    on_cpu = log_weights.device.type == "cpu"
+    if on_cpu:  # the values alone: max(dim) also finds indices, ~7x slower on CPU
+        log_weights -= log_weights.amax(dim=-1, keepdim=True)
+    else:  # on a GPU the mode comes with the maximum in the same pass
+        top, mode = log_weights.max(dim=-1, keepdim=True)
+        log_weights -= top
     weights = log_weights.exp_()  # unnormalised probabilities, the largest is 1
     cdf = torch.cumsum(weights, dim=-1, out=scratch_buffer(scratch, "cdf", weights))
     # Scale u by the last cdf entry (the total mass) so rounding in the sum never pushes u past the end.
@@ -149,7 +154,9 @@ def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor, reserved: Re
     idx = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=weights.shape[1] - 1)
     # Only rounding at the very end can land past the mass; fall back to the mode there.
     bad = weights.gather(1, idx[:, None]).squeeze(1) <= 0
-    if bad.any():
+    if not on_cpu:  # every row's mode, chosen where needed: asking whether any is would wait for the device
+        idx = torch.where(bad, mode.squeeze(1), idx)
+    elif bad.any():  # on CPU argmax is a slow reduction: only the rows that need it
         idx = idx.clone()
         idx[bad] = weights[bad].argmax(dim=-1)
     return idx, ~(cdf[:, -1] > 0)  # NaN (inf - inf, a NaN input) or no mass at all
@@ -172,9 +179,42 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms
     """Paper section 3, eq. 1: x_hat ~ Softmax(log p_aux / T) = Softmax(logits / T), one T per row.
     `logits` (any float dtype) are left intact; rows the fast form leaves without mass are redone
     from the stable log p_aux. `scratch`: buffers kept across calls (`scratch_buffer`), the same draws."""
-    scaled = temperature_scaled(logits.float(), temperature, out=scratch_buffer(scratch, "scaled", logits))
-    idx, dead = _inverse_cdf(scaled, uniforms, reserved, scratch)
+    idx, dead = temperature_draws(logits, temperature, uniforms, reserved, scratch)
     if dead.any():
-        stable = temperature_scaled(aux_log_probs(logits[dead], reserved), temperature[dead])
-        idx[dead] = sample_from_log_weights(stable, uniforms[dead], reserved)
+        idx[dead] = redraw_without_mass(logits[dead], temperature[dead], uniforms[dead], reserved)
     return idx
+
+
+def temperature_draws(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
+                      reserved: Reserved = RESERVED, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_temperature`'s fast form alone (paper section 3, eq. 1): (ids, rows it left without mass), never
+    waiting for the device. The caller redraws those rows (`redraw_without_mass`), at a time of its choosing."""
+    # bf16 logits are widened inside the division (fp32 temperatures): one pass, the same values as widening first
+    scaled = temperature_scaled(logits, temperature, out=scratch_buffer(scratch, "scaled", logits))
+    return _inverse_cdf(scaled, uniforms, reserved, scratch)
+
+
+def chunk_draws(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor, head: int, stop: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`temperature_draws` (paper section 3, eq. 1) as one pure function of a chunk, for `torch.compile`: the
+    scaling, the maximum and its index, exp, the cumulative sum and the search fused into a few passes over (K, V)
+    instead of one per step. The same arithmetic; compiled, the sums round in another order, so a draw near a
+    boundary of the CDF can land on the neighbouring id (about 1.5% of positions at 128K entries; measured in
+    docs/benchmarks.md). `head` / `stop`: the ids a replacement may be, [head, stop)."""
+    x = logits.float() / temperature.float().clamp(*TEMPERATURE_RANGE)[:, None]
+    x[:, :head] = float("-inf")
+    x[:, stop:] = float("-inf")
+    top, mode = x.max(dim=-1, keepdim=True)
+    weights = (x - top).exp()
+    cdf = weights.cumsum(dim=-1)
+    targets = (uniforms.double() * cdf[:, -1].double()).float()[:, None]
+    idx = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=weights.shape[1] - 1)
+    bad = weights.gather(1, idx[:, None]).squeeze(1) <= 0
+    return torch.where(bad, mode.squeeze(1), idx), ~(cdf[:, -1] > 0)
+
+
+def redraw_without_mass(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
+                        reserved: Reserved = RESERVED) -> torch.Tensor:
+    """The rows `temperature_draws` left without mass (logits / T overflowing, or NaN), drawn from the stable
+    log p_aux / T (paper eq. 1), or uniformly where that has no mass either."""
+    return sample_from_log_weights(temperature_scaled(aux_log_probs(logits, reserved), temperature), uniforms, reserved)

@@ -99,11 +99,12 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
     return StreamPlan(per_epoch, math.ceil(budget / per_epoch), budget)
 
 
-# How rows are drawn, beyond the settings: epoch orders by `IndexPermutation` and the aux model's dropout
-# masks from a generator per row (`common.augment.row_generators`). Before: a numpy permutation of the whole
-# split and masks per batch, and generation keys without this entry. Part of the generation key: shards
-# drawn one way are never taken for shards drawn the other.
-DRAWS_VERSION = "feistel-order, per-row-dropout"
+# How rows are drawn, beyond the settings: epoch orders by `IndexPermutation`, the aux model's dropout
+# masks from a generator per row (`common.augment.row_generators`), and on a GPU each chunk's temperature draw
+# compiled (`common.distributions.chunk_draws`; until 2026-11-26 step by step, which rounds otherwise). Before
+# the first two: a numpy permutation of the whole split and masks per batch, and generation keys without this
+# entry. Part of the generation key: shards drawn one way are never taken for shards drawn the other.
+DRAWS_VERSION = "feistel-order, per-row-dropout, compiled-gpu-draws"
 
 
 def epoch_order(num_train_rows: int, epoch: int, seed: int, stream: int = GENERATOR_STREAM) -> "IndexPermutation":

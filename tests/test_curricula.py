@@ -151,6 +151,35 @@ def test_sampling_a_chunk_of_positions_at_a_time_draws_what_the_whole_batch_draw
         assert (out["replaced"], out["aux_top1"]) == (whole["replaced"], whole["aux_top1"])
 
 
+def test_compiled_draws_pad_the_last_chunk_to_one_shape_and_draw_what_the_steps_draw(built, monkeypatch):
+    """On a GPU the temperature draw of a chunk runs under torch.compile (`common.distributions.chunk_draws`),
+    forced here on the CPU: every chunk, a batch's last one padded, is one static shape, so one graph serves
+    every batch; the padding changes nothing of the real positions (their aux top-1 hits, their masking), and
+    the draws are those of the step-by-step draw but where the compiled sums round otherwise (near a CDF
+    boundary), measured here at 98% or more of the positions."""
+    import torch
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    rows = load_split(built.corpus_dir, "train")[:24]
+    ids, temps = np.arange(100, 124), np.linspace(2.0, 1.0, 24)
+    outs = []
+    for compiled in (False, True):
+        corruptor = Corruptor(built.aux_dir / AUX_FILE, seed=11, mask_prob=0.15, batch_tokens=256,
+                              compile_draws=compiled)
+        corruptor.chunk_entries = 7 * corruptor.vocab_size
+        outs.append(corruptor(rows, ids, 2, temps))
+    steps, fused = outs
+    assert fused["masked"] == steps["masked"] > 7 * 4 and fused["masked"] % 7  # several chunks, a partial one
+    assert fused["aux_top1"] == steps["aux_top1"]
+    assert counters["stats"]["unique_graphs"] == 1  # every batch's chunks, the last partial ones too
+    same = np.concatenate([a == b for a, b in zip(fused["input_ids"], steps["input_ids"])])
+    changed = np.concatenate([(a != r) | (b != r) for a, b, r in zip(fused["input_ids"], steps["input_ids"], rows)])
+    assert changed.sum() > 20 and same[changed].mean() >= 0.98
+    for out in (fused, steps):
+        _check_rows(rows, out, corruptor.vocab_size)
+
+
 def test_aux_top1_counts_the_masked_positions_whose_original_the_aux_model_ranks_first(built):
     """The Corruptor's `aux_top1` (the generation manifest's aux top-1) equals the count of masked positions
     where the aux model's argmax is the original token, computed here from its logits directly."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.batching import attention_mask, masked_inputs
+from common.batching import attention_mask, masked_inputs, to_device
 from common.config import ModelConfig
 from common.curriculum import sample_replacements
 from common.model import MaskedLM, ReplacedTokenDetector
@@ -74,13 +74,13 @@ def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
     the generator's MLM loss summed over its masked positions and its top-1 hits; else None, None).
     A batch of `train.mlm.mlm_tensors` (the aux model's own training) gives (None, MLM loss sum, hits)."""
     if "targets" in batch:
-        mlm, hits = model(*(batch[k].to(device) for k in MLM_INPUTS))
+        mlm, hits = model(*(to_device(batch[k], device) for k in MLM_INPUTS))
         return None, mlm, hits
-    mask = batch["attention_mask"].to(device)
+    mask = to_device(batch["attention_mask"], device)  # page-locked, not waiting for the device (common.batching)
     if electra:  # the generator masks, predicts and samples; the discriminator detects
-        mlm, logits, labels, hits = model(*(batch[k].to(device) for k in ELECTRA_INPUTS))
+        mlm, logits, labels, hits = model(*(to_device(batch[k], device) for k in ELECTRA_INPUTS))
     else:
-        logits, labels = model(batch["input_ids"].to(device), mask), batch["labels"].to(device)
+        logits, labels = model(to_device(batch["input_ids"], device), mask), to_device(batch["labels"], device)
         mlm = hits = None
     # pads weighted out rather than indexed away: a boolean index has a data-dependent size, which a GPU
     # answers by waiting for the device (a host sync per micro-batch)
