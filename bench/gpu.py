@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -51,13 +52,15 @@ from common.config import GenerateConfig, load_manifest
 from common.corrupt import Corruptor
 from common.curriculum import masked_count
 from common.io import atomic_write_json, atomic_write_text
-from common.model import MaskedLM, ReplacedTokenDetector, relative_position_bucket
+from common.model import MaskedLM, RelativePositionBias, ReplacedTokenDetector, relative_position_bucket
 from common.optim import build_optimizer, build_scheduler
 from common.plan import plan_tasks
 from common.tokenizer import SPECIAL_IDS
 from generate.worker import ShardWriter
 
 RESULTS = Path("bench/results")
+ATTENTION_WAYS = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_efficient", "sdpa_head_bias", "sdpa_no_bias",
+                  "compiled_manual", "flex_table", "flex_dense")
 # Dense bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets (SXM parts; no sparsity).
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12}
 
@@ -139,7 +142,7 @@ def trainer_update(model, optimizer, scheduler, rows: dict, accum: int, config, 
     to_batch = partial(electra_tensors, seed=config.seed, mask_prob=g.mask_prob) if electra else to_tensors
     count_masked = partial(masked_count, mask_prob=g.mask_prob)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    forward_model = compiled_model or model
+    forward_model = model if compiled_model is None else compiled_model  # a compiled module has no truth value
 
     def update():
         trainer.update(forward_model, model, optimizer, scheduler, [rows] * accum, to_batch, device, autocast, 1, tc,
@@ -158,6 +161,29 @@ def sdpa_kernels(fn) -> list[str]:
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")})
+
+
+def profile_call(fn, device: torch.device) -> dict:
+    """Where one call's time goes: prints the ops by device time and by host time, and returns the call's wall
+    seconds under the profiler, the device's kernel time in it (`device_busy_fraction`: kernel seconds / wall
+    seconds) and how many times the host waited for the device (synchronising calls and copies)."""
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    for key in (["device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+        print(averages.table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+    events = prof.events()
+    kernel_us = sum(e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "aten::_local_scalar_dense")
+    counts = {w: sum(1 for e in events if e.name == w) for w in waits}
+    return {"profiled_wall_s": wall, "device_kernel_s": kernel_us / 1e6, "device_busy_fraction": kernel_us / 1e6 / wall,
+            "host_waits": counts}
 
 
 def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
@@ -229,9 +255,11 @@ def measure_efficiency(config, rows: int, accum: int, steps: int, device: torch.
     return out
 
 
-def measure_generation(config, rows_per_shard: int, shards: int, device: torch.device = torch.device("cuda")) -> dict:
+def measure_generation(config, rows_per_shard: int, shards: int, device: torch.device = torch.device("cuda"),
+                       profile: bool = False, depths: tuple[int, ...] = (2,)) -> dict:
     """Tokens/s of ShardWriter with two shards in flight (generate/job.py's GPU actor) over the aux
-    model's pure forward on the same masked batches."""
+    model's pure forward on the same masked batches; also with each of `depths` shards in flight
+    (`[generate] tasks_in_flight`), `generation_tokens_per_s_by_depth`."""
     g, V, L = config.generate, config.tokenizer.vocab_size, config.corpus.max_seq_len
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         torch.manual_seed(config.seed)
@@ -245,13 +273,17 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
         reset_peak_memory(device)
         writer(tasks[-1])  # warm-up (kernels, allocator), not timed
         lock = threading.Lock()
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            records = list(pool.map(lambda t: writer(t, lock), tasks[:-1]))
-            generation_s = time.perf_counter() - t0
-        peak = peak_memory_gib(device)
+        by_depth = {}
+        for depth in dict.fromkeys((2, *depths)):  # the actor's default first: the peak is read after it
+            with ThreadPoolExecutor(max_workers=depth) as pool:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                records = list(pool.map(lambda t: writer(t, lock), tasks[:-1]))
+                by_depth[depth] = time.perf_counter() - t0
+            if depth == 2:
+                peak = peak_memory_gib(device)
+        generation_s = by_depth[2]
         tokens, masked = sum(r["tokens"] for r in records), sum(r["masked"] for r in records)
         prepared = [corruptor.prepare([rows[i] for i in t.row_ids], t.row_ids, 0)[2] for t in tasks[:-1]]
 
@@ -260,68 +292,191 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
             for batches in prepared:
                 for _, ids, attn, flags in batches:
                     corruptor.aux_logits(ids, attn, flags)
+        reset_peak_memory(device)
         forward_s = min(device_seconds(forward_only, 3, device))
+        forward_peak = peak_memory_gib(device)  # the forward alone, each batch's logits at its masked positions
         kernels = sdpa_kernels(torch.no_grad()(lambda: corruptor.aux_logits(*prepared[0][0][1:])))
         single_s = min(device_seconds(lambda: writer(tasks[0]), 2, device))
+        profiled = profile_call(lambda: writer(tasks[0]), device) if profile else {}
     return {"rows_per_shard": rows_per_shard, "shards": shards, "tokens": tokens, "batch_tokens": g.batch_tokens,
             "generation_tokens_per_s": tokens / generation_s, "forward_tokens_per_s": tokens / forward_s,
             "one_shard_at_a_time_tokens_per_s": rows_per_shard * L / single_s,
             "gen_vs_forward": forward_s / generation_s, "peak_memory_gib": peak, "aux_sdpa_kernels": kernels,
-            "forward_flops_per_s": aux_forward_flops(config, tokens // L, masked) / forward_s}
+            "forward_peak_memory_gib": forward_peak, "peak_vs_forward_peak": peak / forward_peak,
+            "generation_tokens_per_s_by_depth": {d: tokens / s for d, s in by_depth.items()},
+            "gen_vs_forward_by_depth": {d: forward_s / s for d, s in by_depth.items()},
+            "forward_flops_per_s": aux_forward_flops(config, tokens // L, masked) / forward_s, **profiled}
 
 
-def measure_attention(config, rows: int, repeats: int = 20) -> dict:
-    """One layer's attention at the base shape: SDPA + additive bias vs compiled FlexAttention."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _generation_process(aux_path: str, config_path: str, rows_per_shard: int, tasks: list, out_dir: str,
+                        device: str, ready, go, results) -> None:
+    """One of `measure_generation_processes`' processes: a GPU actor of generate/job.py as it would be with
+    several actors sharing a GPU (its own Corruptor, two shards in flight behind its own lock)."""
+    config = load_manifest(config_path)
+    g, V, L = config.generate, config.tokenizer.vocab_size, config.corpus.max_seq_len
+    corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device)
+    rows = synthetic_rows(tasks[0].spec.num_rows, L, V, seed=1)  # the plan's rows, all of them
+    writer = ShardWriter({"train": rows}, corruptor, out_dir, g.zstd_level)
+    writer(dataclasses.replace(tasks[0], path=f"warm-up-{os.getpid()}.parquet"))  # compile, kernels: not timed
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ready.put(os.getpid())
+    go.wait()
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        records = list(pool.map(lambda t: writer(t, lock), tasks))
+    results.put((sum(r["tokens"] for r in records), time.perf_counter()))
+
+
+def _from_processes(queue, procs):
+    """The next item `procs` put on `queue`; an error as soon as one of them has died instead."""
+    import queue as queues
+    while True:
+        try:
+            return queue.get(timeout=2)
+        except queues.Empty:
+            failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a generation process exited with code {failed[0]} (its traceback above)")
+
+
+def measure_generation_processes(config, manifest: str, rows_per_shard: int, shards: int, processes: int,
+                                 device: torch.device = torch.device("cuda")) -> dict:
+    """Tokens/s of generation by `processes` processes sharing the device, each an actor with two shards in
+    flight on its share of `shards` shards (the host work of one process, Python's, is what bounds one actor:
+    `gen_vs_forward`). From the moment all are ready (aux model loaded, a shard done) to the last one done."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    V = config.tokenizer.vocab_size
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        torch.manual_seed(config.seed)
+        aux = MaskedLM(config.model, V, config.aux.num_layers)
+        aux_path = save_aux(aux, config.model, config.aux.num_layers, V, "synthetic", tmp, {"steps": 0})
+        plan = GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0)
+        tasks = plan_tasks(rows_per_shard * shards, 0, plan, config.seed)
+        ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=_generation_process, args=(str(aux_path), manifest, rows_per_shard,
+                                                                tasks[i::processes], tmp, device.type, ready, go,
+                                                                results)) for i in range(processes)]
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            _from_processes(ready, procs)
+        t0 = time.perf_counter()
+        go.set()
+        done = [_from_processes(results, procs) for _ in procs]
+        for proc in procs:
+            proc.join()
+        seconds = max(end for _, end in done) - t0
+        tokens = sum(n for n, _ in done)
+    return {"processes": processes, "shards": shards, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+def measure_attention(config, rows: int, repeats: int = 10, device: torch.device = torch.device("cuda"),
+                      variants: tuple[str, ...] | None = None) -> dict:
+    """One layer's attention with the T5 bias at the base shape, full-length rows, each way the trainer could
+    run it: forward + backward (q, k, v and the bias table get gradients) and forward alone, milliseconds;
+    the largest difference of outputs and gradients from the first way; the fused backend that ran (profiler).
+      sdpa_dense_bias      the model's way: a (B, H, L, L) bias (relative positions + padding) in bf16
+      sdpa_dense_dropout   the same with the manifest's attention dropout (not the same function: timed only)
+      sdpa_efficient       the same bias with SDPA held to its memory-efficient backend
+      sdpa_head_bias       a (1, H, L, L) bias, no padding term, broadcast over the batch
+      sdpa_no_bias         no bias at all (flash): a floor, not the same function
+      compiled_manual      q k^T / sqrt(d) + bias, softmax, @ v under torch.compile
+      flex_table           FlexAttention, the score modification indexing the (buckets, H) table
+      flex_dense           FlexAttention, the score modification indexing a dense bf16 (H, L, L) bias
+    Flex runs with kernel options small enough for the GPU's shared memory (its defaults asked for 278,528
+    bytes on an H100). A way that fails is reported with its error, the others still measured."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     m, L = config.model, config.corpus.max_seq_len
     h, d = m.num_heads, m.hidden_size // m.num_heads
     torch.manual_seed(0)
-    q, k, v = (torch.randn(rows, h, L, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    table = (0.5 * torch.randn(m.rel_buckets, h, device="cuda")).requires_grad_()
-    pos = torch.arange(L, device="cuda")
+    dt = torch.bfloat16
+    q, k, v = (torch.randn(rows, h, L, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+    rel = RelativePositionBias(h, m.rel_buckets, m.rel_max_distance).to(device)  # the model's own lookup
+    torch.nn.init.normal_(rel.bias.weight, std=0.5)
+    table = rel.bias.weight
+    pos = torch.arange(L, device=device)
     buckets = relative_position_bucket(pos[None, :] - pos[:, None], m.rel_buckets, m.rel_max_distance)
-    lengths = torch.randint(L // 2, L + 1, (rows,), device="cuda")
-    lengths[0] = L
+    pad = torch.zeros(rows, 1, 1, L, device=device, dtype=dt)  # full rows: the padding term is all zeros
 
-    def sdpa():
-        pad = torch.zeros(rows, L, device="cuda").masked_fill(pos[None, :] >= lengths[:, None], float("-inf"))
-        bias = (table[buckets].permute(2, 0, 1)[None] + pad[:, None, None, :]).to(torch.bfloat16)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    def head_bias():
+        return rel(L).to(dt)  # (1, H, L, L), as common/model.py's encoder builds it
 
-    def score_mod(score, b, head, q_idx, kv_idx):
-        return score + table[buckets[q_idx, kv_idx], head]
+    def sdpa_dense(p=0.0):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=head_bias() + pad, dropout_p=p)
 
-    def keep(b, head, q_idx, kv_idx):
-        return kv_idx < lengths[b]
+    def sdpa_efficient():
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            return sdpa_dense()
 
-    compiled = torch.compile(flex_attention, dynamic=False)
+    def manual(q, k, v, bias):
+        return torch.softmax((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d)) + bias, dim=-1) @ v
 
-    def flex():
-        block_mask = create_block_mask(keep, rows, None, L, L, device="cuda")
-        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    compiled_manual = torch.compile(manual, dynamic=False)
+    small = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64,
+             "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32, "bwd_num_stages": 1, "bwd_num_warps": 4}
 
-    out = {}
-    valid = pos[None, :] < lengths[:, None]  # padded query rows are never read
-    a, b = sdpa(), flex()
-    out["max_abs_diff_valid_rows"] = float((a.float() - b.float()).abs()[valid[:, None, :, None].expand_as(a)].max())
-    grads = []
-    for fn in (sdpa, flex):
-        for t in (q, k, v, table):
-            t.grad = None
-        (fn().float()[valid[:, None, :, None].expand(-1, h, -1, d)] ** 2).sum().backward()
-        grads.append([t.grad.float().clone() for t in (q, k, v, table)])
-    out["max_rel_grad_diff"] = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(*grads))
-    g = torch.randn(rows, h, L, d, device="cuda", dtype=torch.bfloat16)
-    for name, fn in (("sdpa", sdpa), ("flex", flex)):
-        def fwd_bwd():
-            fn().backward(g)
-        device_seconds(fwd_bwd, 3)
-        out[f"{name}_fwd_bwd_s"] = statistics.median(device_seconds(fwd_bwd, repeats))
-        with torch.no_grad():
-            out[f"{name}_fwd_s"] = statistics.median(device_seconds(fn, repeats))
-    out["flex_vs_sdpa_fwd_bwd"] = out["flex_fwd_bwd_s"] / out["sdpa_fwd_bwd_s"]
-    out["flex_vs_sdpa_fwd"] = out["flex_fwd_s"] / out["sdpa_fwd_s"]
-    out["rows"] = rows
+    def flex(kind):
+        from torch.nn.attention.flex_attention import flex_attention
+        compiled = torch.compile(flex_attention, dynamic=False)
+        dense_cache = {}
+
+        def run():
+            if kind == "table":
+                def score_mod(score, b, head, q_idx, kv_idx):
+                    return score + table[buckets[q_idx, kv_idx], head]
+            else:
+                dense = head_bias()[0]
+                dense_cache["bias"] = dense
+
+                def score_mod(score, b, head, q_idx, kv_idx):
+                    return score + dense[head, q_idx, kv_idx]
+            return compiled(q, k, v, score_mod=score_mod, kernel_options=small)
+        return run
+
+    ways = {"sdpa_dense_bias": sdpa_dense, "sdpa_dense_dropout": lambda: sdpa_dense(m.dropout),
+            "sdpa_efficient": sdpa_efficient,
+            "sdpa_head_bias": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=head_bias()),
+            "sdpa_no_bias": lambda: F.scaled_dot_product_attention(q, k, v),
+            "compiled_manual": lambda: compiled_manual(q, k, v, head_bias() + pad),
+            "flex_table": flex("table"), "flex_dense": flex("dense")}
+    same_function = ("sdpa_dense_bias", "sdpa_efficient", "sdpa_head_bias", "compiled_manual", "flex_table",
+                     "flex_dense")
+    g = torch.randn(rows, h, L, d, device=device, dtype=dt)
+    out, reference = {"rows": rows, "length": L, "heads": h, "head_dim": d}, None
+    for name in variants or ways:
+        fn = ways[name]
+        try:
+            for t in (q, k, v, table):
+                t.grad = None
+            y = fn()
+            y.backward(g)
+            got = [y.detach().float()] + [torch.zeros_like(t, dtype=torch.float32) if t.grad is None else t.grad.float().clone()
+                                          for t in (q, k, v, table)]
+            if name in same_function:
+                if reference is None:
+                    reference = got
+                else:  # outputs, then q, k, v and table gradients, each relative to the first way's largest
+                    out[f"{name}_max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+                                                     for a, b in zip(got, reference))
+
+            def fwd_bwd():
+                fn().backward(g)
+            device_seconds(fwd_bwd, 2, device)
+            out[f"{name}_fwd_bwd_ms"] = 1e3 * statistics.median(device_seconds(fwd_bwd, repeats, device))
+            with torch.no_grad():
+                device_seconds(fn, 2, device)
+                out[f"{name}_fwd_ms"] = 1e3 * statistics.median(device_seconds(fn, repeats, device))
+            if name.startswith("sdpa"):
+                out[f"{name}_kernels"] = sdpa_kernels(fwd_bwd)
+        except Exception as e:  # noqa: BLE001 -- a way the GPU refuses is a result too
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:600]
+            print(f"bench.gpu: attention {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    timed = {k[:-len("_fwd_bwd_ms")]: v for k, v in out.items() if k.endswith("_fwd_bwd_ms")}
+    same = {k: v for k, v in timed.items() if k in same_function}
+    if same:
+        out["fastest_same_function"] = min(same, key=same.get)
     return out
 
 
@@ -333,6 +488,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gen-rows", type=int, default=2048, help="rows per generated shard")
     parser.add_argument("--gen-shards", type=int, default=6)
+    parser.add_argument("--gen-depths", default="2", help="shards in flight to time generation at, comma-separated")
+    parser.add_argument("--gen-processes", default="2,4", help="generation_processes: processes sharing the GPU")
     parser.add_argument("--only", default="mfu,efficiency,generation,attention")
     parser.add_argument("--profile", action="store_true", help="print the update's GPU time by kernel")
     parser.add_argument("--out", default=str(RESULTS))
@@ -346,8 +503,12 @@ def main(argv=None) -> int:
     measures = {"mfu": lambda: measure_mfu(config, args.rows, args.accum, args.steps, args.profile),
                 "mfu_compiled": lambda: measure_mfu(config, args.rows, args.accum, args.steps, compiled=True),
                 "efficiency": lambda: measure_efficiency(config, args.rows, args.accum, args.steps),
-                "generation": lambda: measure_generation(config, args.gen_rows, args.gen_shards),
-                "attention": lambda: measure_attention(config, args.rows)}
+                "generation": lambda: measure_generation(config, args.gen_rows, args.gen_shards, profile=args.profile,
+                                                    depths=tuple(int(d) for d in args.gen_depths.split(","))),
+                "attention": lambda: measure_attention(config, args.rows),
+                "generation_processes": lambda: {
+                    str(n): measure_generation_processes(config, args.manifest, args.gen_rows, args.gen_shards, n)
+                    for n in map(int, args.gen_processes.split(","))}}
     errors = {}
     for part in args.only.split(","):
         try:  # one part failing (out of memory, a kernel missing) still leaves the others' figures
@@ -408,16 +569,28 @@ def markdown(r: dict, args) -> str:
                f"| generation, one shard at a time (tokens/s) | {g['one_shard_at_a_time_tokens_per_s']:.0f} | |",
                f"| aux forward alone, model FLOPs / datasheet peak | {g.get('forward_vs_peak') or float('nan'):.3f} "
                f"({g['forward_tokens_per_s'] / 1e6:.2f}M tokens/s, {g['forward_flops_per_s'] / 1e12:.0f} TFLOP/s) | >= 0.35 |",
-               f"| generation peak memory | {g['peak_memory_gib']:.1f} GiB | |",
+               f"| generation peak memory / the aux forward's own | {g['peak_memory_gib']:.1f} GiB / "
+               f"{g['forward_peak_memory_gib']:.1f} GiB ({g['peak_vs_forward_peak']:.2f}) | <= 1.5 |" if
+               "forward_peak_memory_gib" in g else f"| generation peak memory | {g['peak_memory_gib']:.1f} GiB | |",
                f"| attention backend of the aux forward (profiler) | {', '.join(g.get('aux_sdpa_kernels', [])) or '?'} | fused |"]
+    if "generation" in r and len(r["generation"].get("gen_vs_forward_by_depth", {})) > 1:
+        md += [f"| generation / aux forward, {d} shards in flight | {x:.3f} | |"
+               for d, x in r["generation"]["gen_vs_forward_by_depth"].items()]
+    if "generation_processes" in r:
+        forward = r.get("generation", {}).get("forward_tokens_per_s")
+        md += [f"| generation, {n} processes sharing the GPU (actors), 2 shards in flight each: tokens/s"
+               + (" (/ aux forward)" if forward else "") + f" | {x['tokens_per_s']:.0f}"
+               + (f" ({x['tokens_per_s'] / forward:.3f})" if forward else "") + " | >= 0.85 |"
+               for n, x in r["generation_processes"].items()]
     if "attention" in r:
         a = r["attention"]
-        md += [f"| FlexAttention / SDPA + additive bias, fwd+bwd (s) | {a['flex_vs_sdpa_fwd_bwd']:.3f} "
-               f"({a['flex_fwd_bwd_s'] * 1e3:.2f} / {a['sdpa_fwd_bwd_s'] * 1e3:.2f} ms) | < 1: keep flex |",
-               f"| FlexAttention / SDPA, forward only | {a['flex_vs_sdpa_fwd']:.3f} "
-               f"({a['flex_fwd_s'] * 1e3:.2f} / {a['sdpa_fwd_s'] * 1e3:.2f} ms) | |",
-               f"| max abs difference of outputs (valid rows) / max relative gradient difference | "
-               f"{a['max_abs_diff_valid_rows']:.2e} / {a['max_rel_grad_diff']:.2e} | bf16 tolerance |"]
+        md += [f"| attention, one layer, {a['rows']} x {a['length']} tokens: {way} fwd+bwd / fwd (ms) | "
+               + (f"{a[way + '_fwd_bwd_ms']:.2f} / {a[way + '_fwd_ms']:.2f}"
+                  + (f"; max rel. diff {a[way + '_max_rel_diff']:.1e}" if way + "_max_rel_diff" in a else "")
+                  + (f"; {', '.join(a[way + '_kernels'])}" if way + "_kernels" in a else "")
+                  if way + "_fwd_bwd_ms" in a else f"failed: {a.get(way + '_error', '?')[:120]}") + " | |"
+               for way in ATTENTION_WAYS if way + "_fwd_bwd_ms" in a or way + "_error" in a]
+        md += [f"| fastest way computing the model's function | {a.get('fastest_same_function', '?')} | |"]
     md += [f"| {part} failed | {err} | |" for part, err in r.get("errors", {}).items()]
     return "\n".join(md)
 

@@ -112,10 +112,29 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     # gradient (the trainer's relative-position bias), so training runs the math path; the aux model's
     # forward (no gradient) runs the fused one
     assert mfu["sdpa_kernels"] == ["aten::_scaled_dot_product_attention_math"]
-    generation = gpu.measure_generation(config, rows_per_shard=16, shards=2, device=cpu)
+    generation = gpu.measure_generation(config, rows_per_shard=16, shards=2, device=cpu, profile=True, depths=(2, 3))
     assert generation["aux_sdpa_kernels"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"]
     assert generation["tokens"] == 2 * 16 * 32 and generation["gen_vs_forward"] > 0
-    assert generation["forward_flops_per_s"] > 0
+    assert generation["forward_flops_per_s"] > 0 and generation["forward_peak_memory_gib"] > 0
+    assert set(generation["gen_vs_forward_by_depth"]) == {2, 3} and generation["profiled_wall_s"] > 0
+    # the attention ways that run on a CPU (FlexAttention's backward does not): the same function as the model's
+    # way within bf16 rounding, each naming its backend
+    ways = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_head_bias", "sdpa_no_bias")
+    attention = gpu.measure_attention(config, rows=2, repeats=1, device=cpu, variants=ways)
+    assert all(f"{way}_fwd_bwd_ms" in attention for way in ways), attention
+    assert attention["sdpa_head_bias_max_rel_diff"] < 2e-2 and attention["fastest_same_function"] in ways
+    assert attention["sdpa_dense_bias_kernels"] == ["aten::_scaled_dot_product_attention_math"]
+
+
+def test_bench_gpu_times_generation_in_processes_sharing_the_device():
+    """`generation_processes`: the shards split over processes, each an actor of its own; every token counted
+    once, from the moment all are ready."""
+    from bench import gpu
+    from common.config import load_manifest
+    config = load_manifest("manifests/tiny.toml")
+    out = gpu.measure_generation_processes(config, "manifests/tiny.toml", rows_per_shard=8, shards=3, processes=2,
+                                           device=torch.device("cpu"))
+    assert out["tokens"] == 3 * 8 * config.corpus.max_seq_len and out["tokens_per_s"] > 0
 
 
 def test_bench_gpu_counts_the_aux_forward_as_generation_runs_it(tmp_path):
