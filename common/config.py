@@ -195,6 +195,10 @@ class GenerateConfig:
     tasks_in_flight: int = 0
     """Shards in flight per actor: 0 = 2 on a GPU actor (the next shard's masking and aux forward run
     while the last one is written), 1 on a CPU actor (one core: nothing to overlap). Bytes never change."""
+    actors_per_gpu: int = 1
+    """GPU actors sharing each GPU, each a process with its own aux model and generation memory (9.6 GiB at the
+    base shape): one actor's host side bounds what it gives its GPU. On an H200 at base, 2 gave 1.10x and 4
+    gave 1.25x the tokens/s of 1 (docs/benchmarks.md). Bytes never change."""
     distribution: str = "aux"
     """Replaced-token distribution (paper section 5.1): 'aux' (the aux model, made easier by `augmentation`)
     or, with no aux model, 'uniform', 'term_frequency', 'smoothed_one_hot', 'uniform_to_soh', 'tf_to_soh'."""
@@ -221,6 +225,8 @@ class GenerateConfig:
             raise ConfigError(f"generate.t0 must be >= 1 and tau > 0, got t0={self.t0} tau={self.tau}")
         if self.tasks_in_flight < 0:
             raise ConfigError(f"generate.tasks_in_flight must be >= 0, got {self.tasks_in_flight}")
+        if self.actors_per_gpu < 1:
+            raise ConfigError(f"generate.actors_per_gpu must be >= 1, got {self.actors_per_gpu}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"generate.zstd_level must be in 1..22, got {self.zstd_level}")
         if self.temperature_granularity not in ("row", "epoch"):

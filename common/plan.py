@@ -105,6 +105,8 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
 # the first two: a numpy permutation of the whole split and masks per batch, and generation keys without this
 # entry. Part of the generation key: shards drawn one way are never taken for shards drawn the other.
 DRAWS_VERSION = "feistel-order, per-row-dropout, compiled-gpu-draws"
+# [generate] settings that only schedule the work: outside the generation key
+SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 
 
 def epoch_order(num_train_rows: int, epoch: int, seed: int, stream: int = GENERATOR_STREAM) -> "IndexPermutation":
@@ -240,7 +242,8 @@ def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256
     """Everything a shard's bytes depend on (docs/design.md, determinism), hashed: the seed, the
     [generate] settings, the tokenizer, every corpus part, the aux model and the stream's length."""
     generate = dataclasses.asdict(cfg)  # threads_per_worker included: CPU kernels may round differently
-    del generate["tasks_in_flight"]  # scheduling only: the bytes do not depend on it (test_generate_resume)
+    for key in SCHEDULING_ONLY:  # the bytes do not depend on them (test_generate_resume)
+        del generate[key]
     parts = {split: [p["sha256"] for p in corpus_meta[split]["parts"]] for split in ("train", "valid")}
     blob = {"seed": seed, "generate": generate, "tokenizer": corpus_meta["tokenizer_sha256"],
             "corpus_parts": parts, "aux": aux_sha256, "total_rows": total_rows,

@@ -247,7 +247,8 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
                   "zstd_level": config.generate.zstd_level, "row_group_rows": config.generate.rows_per_row_group,
                   "curriculum": {"distribution": config.generate.distribution, "augmentation": config.generate.augmentation,
                                  "soh_alpha": config.generate.soh_alpha}}
-    records = run_tasks(todo, workers, actor_args, out_dir, address, config.generate.tasks_in_flight) if todo else []
+    records = run_tasks(todo, workers, actor_args, out_dir, address, config.generate.tasks_in_flight,
+                        config.generate.actors_per_gpu) if todo else []
     seconds = time.time() - t0
     all_records = list(done.values()) + records
     # a shard written by this run was hashed as it was written (its record): stamp it now

@@ -125,20 +125,30 @@ def actor_device(address: str | None, workers: int) -> str:
     return "cuda" if int(ray.cluster_resources().get("GPU", 0)) > 0 else "cpu"
 
 
+def actor_plan(workers: int, gpus: int, tasks_in_flight: int = 0, actors_per_gpu: int = 1) -> tuple[int, dict]:
+    """How many shard actors to start and their Ray options, for `workers` devices asked on a cluster with
+    `gpus` GPUs (0: CPU actors, one per worker). A GPU is shared by `actors_per_gpu` actors, each a process
+    with its own aux model: one actor's host side (Python, one interpreter lock) bounds what it can give
+    its GPU. Each runs `tasks_in_flight` shards at once (0: 2 on a GPU, 1 on a CPU)."""
+    depth = tasks_in_flight or (2 if gpus else 1)
+    options = {"num_cpus": 1, "num_gpus": 1 / actors_per_gpu if gpus else 0, "max_restarts": 3,
+               "max_task_retries": 3, "max_concurrency": depth}  # depth > 1: that many `run` calls at once, in threads
+    if not gpus:
+        return workers, options
+    if workers > gpus:
+        print(f"generate: {workers} workers asked, the cluster has {gpus} GPU(s); using {gpus}")
+    return min(workers, gpus) * actors_per_gpu, options
+
+
 def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None,
-              tasks_in_flight: int = 0) -> list[dict]:
-    """Run `tasks` on `workers` actors, `tasks_in_flight` at a time on each (0: 2 on GPU, 1 on CPU);
-    returns their records in completion order."""
+              tasks_in_flight: int = 0, actors_per_gpu: int = 1) -> list[dict]:
+    """Run `tasks` on the actors of `actor_plan` for `workers` devices; returns their records in completion
+    order."""
     start_ray(address, workers)
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    use_gpu = gpus > 0
-    if use_gpu and workers > gpus:
-        print(f"generate: {workers} workers asked, the cluster has {gpus} GPU(s); using {gpus} GPU actors")
-        workers = gpus
-    depth = tasks_in_flight or (2 if use_gpu else 1)
-    options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0, "max_restarts": 3, "max_task_retries": 3,
-               "max_concurrency": depth}  # depth > 1: Ray runs that many `run` calls at once, in threads
-    actors = [ShardActor.options(**options).remote(**actor_args) for _ in range(workers)]
+    count, options = actor_plan(workers, gpus, tasks_in_flight, actors_per_gpu)
+    depth = options["max_concurrency"]
+    actors = [ShardActor.options(**options).remote(**actor_args) for _ in range(count)]
     queue, pending, records = deque(tasks), {}, []
     tokens, t0 = 0, time.time()
     bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)

@@ -51,6 +51,7 @@ def test_wrong_type_and_bad_values_are_errors():
     ("aux", "warmup_steps", -2, "aux.warmup_steps >= 0"),
     ("generate", "rows_per_shard", 0, "generate.rows_per_shard must be >= 1, got 0"),
     ("generate", "batch_tokens", 0, "generate.batch_tokens must be >= 1, got 0"),
+    ("generate", "actors_per_gpu", 0, "generate.actors_per_gpu must be >= 1, got 0"),
 ])
 def test_out_of_range_values_are_errors_naming_key_and_value(section, key, value, message):
     with pytest.raises(ConfigError, match=message):

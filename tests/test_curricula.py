@@ -127,6 +127,7 @@ def test_generation_key_changes_with_every_setting_that_changes_the_bytes(built)
     assert generation_key(1, GenerateConfig(), meta, "x", 101) != base       # the stream's length
     assert generation_key(1, GenerateConfig(), meta, "y", 100) != base       # the aux model
     assert generation_key(1, GenerateConfig(tasks_in_flight=2), meta, "x", 100) == base  # scheduling only
+    assert generation_key(1, GenerateConfig(actors_per_gpu=4), meta, "x", 100) == base
 
 
 @pytest.mark.parametrize("distribution,augmentation", [("aux", "temperature"), ("aux", "tf_interpolation"),

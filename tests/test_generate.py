@@ -191,3 +191,16 @@ except NodeProblem as e:
     assert part.startswith("an actor on Ray node ") and "cannot load its inputs: " in part, part
     assert "partial-corpus/train/" in part and "is missing or has another size than corpus.json says" in part, part
     assert not list((tmp_path / "written").glob("**/*.parquet"))
+
+
+def test_actors_share_a_gpu_as_asked_and_cpu_actors_are_one_per_worker(capsys):
+    """`[generate] actors_per_gpu`: k actors a GPU, each asking Ray for 1/k of it (one actor's host side bounds
+    what it gives its GPU); workers count devices, never more than the cluster's GPUs; CPU actors ignore it."""
+    from generate.job import actor_plan
+    count, options = actor_plan(workers=2, gpus=8, actors_per_gpu=4)
+    assert count == 8 and options["num_gpus"] == 0.25 and options["max_concurrency"] == 2
+    count, options = actor_plan(workers=16, gpus=8, tasks_in_flight=3, actors_per_gpu=2)
+    assert count == 16 and options["num_gpus"] == 0.5 and options["max_concurrency"] == 3
+    assert "16 workers asked, the cluster has 8 GPU(s); using 8" in capsys.readouterr().out
+    count, options = actor_plan(workers=3, gpus=0, actors_per_gpu=4)
+    assert count == 3 and options["num_gpus"] == 0 and options["max_concurrency"] == 1

@@ -210,10 +210,11 @@ def generation_difference(made_with: dict, config: RunConfig, most: int = 4) -> 
     """The seed and [generate] settings that differ between the config a folder was generated with (its
     manifest's `config`) and `config`, in words ("" when none do). Not the generation key: with
     `generate.epochs = 0` that also follows the stream's length from [train], which a sweep varies."""
+    from common.plan import SCHEDULING_ONLY
     ours = config_to_dict(config)
     pairs = [("seed", made_with.get("seed"), ours["seed"])]
     pairs += [(f"generate.{k}", v, ours["generate"].get(k)) for k, v in sorted(made_with.get("generate", {}).items())
-              if k != "tasks_in_flight"]  # scheduling only
+              if k not in SCHEDULING_ONLY]
     differ = [f"{key} {theirs!r}, here {mine!r}" for key, theirs, mine in pairs if theirs is not None and theirs != mine]
     return "; ".join(differ[:most]) + (f"; {len(differ) - most} more" if len(differ) > most else "")
 
