@@ -154,7 +154,7 @@ class Corruptor:
         if distribution != "aux":
             log_w = self._model_free(distribution, originals[part], gammas[part])
             return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), 0, None
-        compiled = self.draws is not None and augmentation == "temperature"
+        compiled = self.draws is not None and augmentation != "tf_interpolation"  # every draw at a temperature
         rows, count = hidden[part], len(originals[part])
         if compiled:  # the compiled draw's one shape: the whole chunk
             rows = F.pad(rows, (0, 0, 0, self.chunk_rows - count))

@@ -152,7 +152,8 @@ def test_sampling_a_chunk_of_positions_at_a_time_draws_what_the_whole_batch_draw
         assert (out["replaced"], out["aux_top1"]) == (whole["replaced"], whole["aux_top1"])
 
 
-def test_compiled_draws_pad_the_last_chunk_to_one_shape_and_draw_what_the_steps_draw(built, monkeypatch):
+@pytest.mark.parametrize("augmentation", ["temperature", "dropout"])
+def test_compiled_draws_pad_the_last_chunk_to_one_shape_and_draw_what_the_steps_draw(built, augmentation):
     """On a GPU the temperature draw of a chunk runs under torch.compile (`common.distributions.chunk_draws`),
     forced here on the CPU: every chunk, a batch's last one padded, is one static shape, so one graph serves
     every batch; the padding changes nothing of the real positions (their aux top-1 hits, their masking), and
@@ -164,12 +165,13 @@ def test_compiled_draws_pad_the_last_chunk_to_one_shape_and_draw_what_the_steps_
     counters.clear()
     rows = load_split(built.corpus_dir, "train")[:24]
     ids, temps = np.arange(100, 124), np.linspace(2.0, 1.0, 24)
+    gammas = None if augmentation == "temperature" else np.linspace(0.5, 0.1, 24)  # the aux model's dropout rates
     outs = []
     for compiled in (False, True):
         corruptor = Corruptor(built.aux_dir / AUX_FILE, seed=11, mask_prob=0.15, batch_tokens=256,
-                              compile_draws=compiled)
+                              augmentation=augmentation, compile_draws=compiled)
         corruptor.chunk_entries = 7 * corruptor.vocab_size
-        outs.append(corruptor(rows, ids, 2, temps))
+        outs.append(corruptor(rows, ids, 2, temps if gammas is None else np.ones(24), gammas))
     steps, fused = outs
     assert fused["masked"] == steps["masked"] > 7 * 4 and fused["masked"] % 7  # several chunks, a partial one
     assert fused["aux_top1"] == steps["aux_top1"]
