@@ -308,8 +308,8 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
             "forward_flops_per_s": aux_forward_flops(config, tokens // L, masked) / forward_s, **profiled}
 
 
-def _generation_process(aux_path: str, config_path: str, rows_per_shard: int, tasks: list, out_dir: str,
-                        device: str, ready, go, results) -> None:
+def _generation_process(aux_path: str, config_path: str, tasks: list, out_dir: str, device: str, ready, go,
+                        results) -> None:
     """One of `measure_generation_processes`' processes: a GPU actor of generate/job.py as it would be with
     several actors sharing a GPU (its own Corruptor, two shards in flight behind its own lock)."""
     config = load_manifest(config_path)
@@ -355,9 +355,8 @@ def measure_generation_processes(config, manifest: str, rows_per_shard: int, sha
         plan = GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0)
         tasks = plan_tasks(rows_per_shard * shards, 0, plan, config.seed)
         ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=_generation_process, args=(str(aux_path), manifest, rows_per_shard,
-                                                                tasks[i::processes], tmp, device.type, ready, go,
-                                                                results)) for i in range(processes)]
+        procs = [ctx.Process(target=_generation_process, args=(str(aux_path), manifest, tasks[i::processes], tmp,
+                                                                device.type, ready, go, results)) for i in range(processes)]
         for proc in procs:
             proc.start()
         for _ in procs:
@@ -381,7 +380,7 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
       sdpa_dense_dropout   the same with the manifest's attention dropout (not the same function: timed only)
       sdpa_efficient       the same bias with SDPA held to its memory-efficient backend
       sdpa_head_bias       a (1, H, L, L) bias, no padding term, broadcast over the batch
-      sdpa_no_bias         no bias at all (flash): a floor, not the same function
+      sdpa_no_bias         no bias at all (cuDNN on an H200): a floor, not the same function
       compiled_manual      q k^T / sqrt(d) + bias, softmax, @ v under torch.compile
       flex_table           FlexAttention, the score modification indexing the (buckets, H) table
       flex_dense           FlexAttention, the score modification indexing a dense bf16 (H, L, L) bias
@@ -420,7 +419,6 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
     def flex(kind):
         from torch.nn.attention.flex_attention import flex_attention
         compiled = torch.compile(flex_attention, dynamic=False)
-        dense_cache = {}
 
         def run():
             if kind == "table":
@@ -428,7 +426,6 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
                     return score + table[buckets[q_idx, kv_idx], head]
             else:
                 dense = head_bias()[0]
-                dense_cache["bias"] = dense
 
                 def score_mod(score, b, head, q_idx, kv_idx):
                     return score + dense[head, q_idx, kv_idx]
@@ -445,7 +442,7 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
                      "flex_dense")
     g = torch.randn(rows, h, L, d, device=device, dtype=dt)
     out, reference = {"rows": rows, "length": L, "heads": h, "head_dim": d}, None
-    for name in variants or ways:
+    for name in variants or ATTENTION_WAYS:
         fn = ways[name]
         try:
             for t in (q, k, v, table):

@@ -156,7 +156,8 @@ class Corruptor:
             return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), 0, None
         compiled = self.draws is not None and augmentation != "tf_interpolation"  # every draw at a temperature
         rows, count = hidden[part], len(originals[part])
-        if compiled:  # the compiled draw's one shape: the whole chunk
+        short = compiled and count < self.chunk_rows  # a batch's last chunk, padded to the compiled draw's one shape
+        if short:
             rows = F.pad(rows, (0, 0, 0, self.chunk_rows - count))
         with self.autocast or contextlib.nullcontext():
             logits = self._head(rows)
@@ -165,9 +166,10 @@ class Corruptor:
             log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), gammas[part])
             return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), hits, None
         if compiled:
-            pad = (0, self.chunk_rows - count)
-            ids, dead = self.draws(logits, F.pad(temperatures[part], pad, value=1.0), F.pad(uniforms[part], pad),
-                                   self.reserved.head, self.reserved.stop(self.vocab_size))
+            t, u = temperatures[part], uniforms[part]
+            if short:
+                t, u = F.pad(t, (0, self.chunk_rows - count), value=1.0), F.pad(u, (0, self.chunk_rows - count))
+            ids, dead = self.draws(logits, t, u, self.reserved.head, self.reserved.stop(self.vocab_size))
             return ids[:count], hits, dead[:count]
         ids, dead = temperature_draws(logits, temperatures[part], uniforms[part], self.reserved, self.scratch)
         return ids, hits, dead

@@ -78,7 +78,7 @@ def test_the_attention_bias_has_the_dtype_of_q_and_k_and_a_fused_kernels_layout(
 
     def spy(q, k, v, attn_mask=None, **kw):
         # a GPU's fused kernels take a bias whose last dimension has stride 1 (an H200 took its math path
-        # with the permuted lookup's stride of `heads` there: 21.5 ms a layer's attention against 0.6 without bias)
+        # with the permuted lookup's stride of `heads` there: trainer MFU 0.096, 0.178 once fused)
         seen.append((q.dtype, attn_mask.dtype, attn_mask.stride(-1) == 1 and attn_mask.is_contiguous()))
         return real(q, k, v, attn_mask=attn_mask, **kw)
     monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
