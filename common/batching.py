@@ -61,21 +61,27 @@ def masked_inputs(rows: list[np.ndarray], row_ids: np.ndarray, epoch: np.ndarray
                   vocab_size: int = 0, drop_rates: np.ndarray | None = None) -> dict:
     """The one place rows are masked (generate/, fast-online, electra, the aux MLM): per row, masked positions
     and sampling uniforms drawn by `common.curriculum.row_draws` (from `stream`), as padded tensors:
-    original_ids, masked_ids, masked_flags, uniforms (row-major over flags). With `drop_rates`, row i's
-    masked input also gets that fraction of [UNK]s (appendix C), drawn after its other draws."""
+    original_ids, masked_ids, masked_flags, uniforms (row-major over flags), and each row's positions (a list
+    of arrays). With `drop_rates`, row i's masked input also gets that fraction of [UNK]s (appendix C), drawn
+    after its other draws."""
     epochs = np.broadcast_to(np.asarray(epoch), (len(rows),))
-    original = torch.zeros((len(rows), pad_to), dtype=torch.long)
-    flags = torch.zeros((len(rows), pad_to), dtype=torch.bool)
-    masked = None if drop_rates is None else torch.zeros((len(rows), pad_to), dtype=torch.long)
-    uniforms = []
+    # filled as numpy arrays: a row's slice assignment costs about a tenth of a torch tensor's
+    original = np.zeros((len(rows), pad_to), dtype=np.int64)
+    flags = np.zeros((len(rows), pad_to), dtype=bool)
+    masked = None if drop_rates is None else np.zeros((len(rows), pad_to), dtype=np.int64)
+    positions, uniforms = [], []
     for i, (r, rid, e) in enumerate(zip(rows, row_ids, epochs)):
         pos, u, rng = row_draws(r, mask_prob, seed, int(e), int(rid), stream, reserved, vocab_size)
+        positions.append(pos)
         uniforms.append(u)
-        original[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
-        flags[i, torch.from_numpy(pos)] = True
+        original[i, :len(r)] = r
+        flags[i, pos] = True
         if masked is not None:
-            m = np.asarray(r, dtype=np.int64).copy()
+            m = original[i, :len(r)].copy()
             m[pos] = MASK_ID
-            masked[i, :len(r)] = torch.from_numpy(drop_tokens(m, float(drop_rates[i]), rng))
-    return {"original_ids": original, "masked_ids": original.masked_fill(flags, MASK_ID) if masked is None else masked,
-            "masked_flags": flags, "uniforms": torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))}
+            masked[i, :len(r)] = drop_tokens(m, float(drop_rates[i]), rng)
+    if masked is None:
+        masked = np.where(flags, MASK_ID, original)
+    return {"original_ids": torch.from_numpy(original), "masked_ids": torch.from_numpy(masked),
+            "masked_flags": torch.from_numpy(flags), "positions": positions,
+            "uniforms": torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))}

@@ -99,9 +99,9 @@ class Corruptor:
                                  reserved=self.reserved, vocab_size=self.vocab_size,
                                  drop_rates=None if drop_rates is None else np.asarray(drop_rates)[batch])
             flags, u, offset = made["masked_flags"], made["uniforms"].numpy(), 0
-            for j, i in enumerate(batch):
-                positions[i] = np.flatnonzero(flags[j].numpy())
-                uniforms[i], offset = u[offset:offset + len(positions[i])], offset + len(positions[i])
+            for i, pos in zip(batch, made["positions"]):
+                positions[i] = pos
+                uniforms[i], offset = u[offset:offset + len(pos)], offset + len(pos)
             batches.append((batch, to_device(made["masked_ids"], self.device),
                             to_device(attention_mask(lengths[batch], longest), self.device), to_device(flags, self.device)))
         return positions, uniforms, batches
