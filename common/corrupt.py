@@ -44,6 +44,16 @@ def top1_hits(logits: torch.Tensor, originals: torch.Tensor) -> torch.Tensor:
     return (logits.index_select(0, rows).argmax(-1) == originals.index_select(0, rows)).sum()
 
 
+def head_weight(model, autocast: torch.autocast | None) -> torch.Tensor | None:
+    """Our aux model's tied head weight (vocabulary x width) in `autocast`'s dtype, cast once; None without
+    autocast or for another model. Autocast keeps its casts only of weights that need a gradient, so the
+    frozen model's 128K x 768 matrix was cast again at every chunk of sampling: 58 of one shard's 434 ms of
+    device time on an H200 (docs/benchmarks.md, bench-gpu). The same values as autocast's own cast."""
+    if autocast is None or not isinstance(model, MaskedLM):
+        return None
+    return model.head.embedding.weight.detach().to(autocast.fast_dtype)
+
+
 class Corruptor:
     """Frozen aux model -> corrupted ids and RTD labels for a batch of rows. The default is the
     paper's own curriculum (section 3); `distribution` / `augmentation` select the alternatives of
@@ -65,6 +75,7 @@ class Corruptor:
             raise ValueError(f"distribution {distribution!r} / augmentation {augmentation!r} needs term counts")
         # bf16 autocast for the aux forward on GPU; softmax and sampling stay in fp32.
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+        self.head_weight = head_weight(self.model, self.autocast)
         # Sampling holds one chunk of positions x V logits at a time (2^26 entries: 524 positions at 128K).
         self.chunk_entries = LOGIT_CHUNK_ENTRIES
         if compile_draws is None:
@@ -141,6 +152,8 @@ class Corruptor:
         if self.autocast is None and isinstance(self.model, MaskedLM):
             shape = (hidden.shape[0], self.vocab_size)
             return self.model.logits(hidden, out=scratch_buffer(self.scratch, "logits", hidden, shape))
+        if self.head_weight is not None:
+            return self.model.logits(hidden, weight=self.head_weight)
         return self.model.logits(hidden)
 
     def _sample(self, hidden, part, uniforms, temperatures, gammas, originals):

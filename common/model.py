@@ -164,13 +164,16 @@ class MLMHead(nn.Module):
         self.embedding = embedding  # tied, not a copy
         self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings))
 
-    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: a (positions, vocab) fp32 tensor to write the logits into (the sampler's kept buffer),
-        the same values as without it."""
+        the same values as without it. `weight`: the tied embedding matrix as already cast by the caller
+        (a frozen model under autocast), the same values as autocast's own cast of it."""
         h = self.ln(F.gelu(self.dense(hidden)))
+        weight = self.embedding.weight if weight is None else weight
         if out is None:
-            return F.linear(h, self.embedding.weight, self.bias)
-        return torch.addmm(self.bias, h, self.embedding.weight.t(), out=out)  # what F.linear runs, into `out`
+            return F.linear(h, weight, self.bias)
+        return torch.addmm(self.bias, h, weight.t(), out=out)  # what F.linear runs, into `out`
 
 
 class RTDHead(nn.Module):
@@ -238,8 +241,9 @@ class MaskedLM(nn.Module):
         a distribution, a chunk of positions at a time where the vocabulary is large."""
         return at_positions(self.encoder(input_ids, attention_mask, drop), masked_positions)
 
-    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(hidden, out)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(hidden, out, weight)
 
 
 class ReplacedTokenDetector(nn.Module):

@@ -35,6 +35,25 @@ def test_mlm_head_is_tied_and_only_scores_masked_positions():
     assert count_parameters(model) == count_parameters(clone)
 
 
+def test_the_head_weight_cast_once_gives_autocasts_own_logits():
+    """The Corruptor's frozen head weight, cast once (`common.corrupt.head_weight`), under the autocast a GPU
+    runs (bf16; here the CPU's): bit for bit the logits of autocast casting the fp32 weight itself."""
+    from common.corrupt import head_weight
+    torch.manual_seed(0)
+    model = MaskedLM(CFG, 1000, num_layers=1).eval()
+    assert head_weight(model, None) is None  # no autocast (a CPU run): the fp32 weight as it is
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    weight = head_weight(model, autocast)
+    assert weight.dtype == torch.bfloat16 and weight.shape == (1000, 32)
+    hidden = torch.randn(57, 32)
+    with torch.no_grad(), autocast:
+        own = model.logits(hidden)
+        cast_once = model.logits(hidden, weight=weight)
+    assert own.dtype == cast_once.dtype == torch.bfloat16
+    assert torch.equal(own, cast_once)
+    assert model.head.embedding.weight.dtype == torch.float32  # the model's own weights untouched
+
+
 def test_relative_buckets_are_bidirectional_and_bounded():
     rel = torch.arange(-300, 301)
     buckets = relative_position_bucket(rel, 32, 128)
