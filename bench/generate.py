@@ -41,7 +41,7 @@ from common.io import atomic_write_json, atomic_write_text
 from common.plan import plan_tasks
 from common.corrupt import Corruptor
 from common.shards import PLAN_FILE
-from generate.worker import ShardWriter
+from generate.worker import ShardWriter, mean_phases
 
 RESULTS = Path("bench/results")
 
@@ -260,7 +260,8 @@ def host_rate(config, corpus_dir: Path, tmp: Path, levels=(1, 3, 6, 9, 12, 15, 1
             if best is None or host < best["host_s"]:
                 best = {"zstd_level": level, "host_s": host, "wall_s": wall, "tokens": tokens,
                         "host_tokens_per_s": tokens / host,
-                        "bytes_per_token": sum(r["bytes"] for r in records) / tokens}
+                        "bytes_per_token": sum(r["bytes"] for r in records) / tokens,
+                        "phase_seconds_per_shard": mean_phases(records)}
         table.append(best)
     return table
 
@@ -336,6 +337,8 @@ def main(argv=None) -> int:
           f"{result['sampling_peak_4x_vs_1x_whole_batch']:.3f}) | <= 1.2 |",
           f"| host side, 512-token rows, zstd {base_level} (base and large; tokens/s, 2 threads) | "
           f"{result['host_tokens_per_s']:,.0f} | >= 2,000,000 |",
+          f"| the same, seconds per shard of 512 rows by phase (`phase_seconds`; device: the 1 x 32 aux model) | "
+          + ", ".join(f"{k} {v:.4f}" for k, v in level["phase_seconds_per_shard"].items()) + " | |",
           "", "Shard zstd level: bytes against the host side's time (512-token rows of the corpus, 4 shards of 512 "
           "rows, best of 2):", "", "| zstd level | bytes per token | host tokens/s |", "|---|---|---|",
           *(f"| {r['zstd_level']} | {r['bytes_per_token']:.4f} | {r['host_tokens_per_s']:,.0f} |" for r in zstd)]

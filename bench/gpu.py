@@ -56,7 +56,7 @@ from common.model import MaskedLM, RelativePositionBias, ReplacedTokenDetector, 
 from common.optim import build_optimizer, build_scheduler
 from common.plan import plan_tasks
 from common.tokenizer import SPECIAL_IDS
-from generate.worker import ShardWriter
+from generate.worker import ShardWriter, mean_phases
 
 RESULTS = Path("bench/results")
 ATTENTION_WAYS = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_efficient", "sdpa_head_bias", "sdpa_no_bias",
@@ -283,6 +283,7 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
                 by_depth[depth] = time.perf_counter() - t0
             if depth == 2:
                 peak = peak_memory_gib(device)
+                phases = mean_phases(records)
         generation_s = by_depth[2]
         tokens, masked = sum(r["tokens"] for r in records), sum(r["masked"] for r in records)
         prepared = [corruptor.prepare([rows[i] for i in t.row_ids], t.row_ids, 0)[2] for t in tasks[:-1]]
@@ -304,6 +305,7 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
             "gen_vs_forward": forward_s / generation_s, "peak_memory_gib": peak, "aux_sdpa_kernels": kernels,
             "forward_peak_memory_gib": forward_peak, "peak_vs_forward_peak": peak / forward_peak,
             "generation_tokens_per_s_by_depth": {d: tokens / s for d, s in by_depth.items()},
+            "phase_seconds_per_shard": phases, "generation_seconds_per_shard": generation_s / len(records),
             "gen_vs_forward_by_depth": {d: forward_s / s for d, s in by_depth.items()},
             "forward_flops_per_s": aux_forward_flops(config, tokens // L, masked) / forward_s, **profiled}
 
@@ -325,7 +327,7 @@ def _generation_process(aux_path: str, config_path: str, tasks: list, out_dir: s
     lock = threading.Lock()
     with ThreadPoolExecutor(max_workers=2) as pool:
         records = list(pool.map(lambda t: writer(t, lock), tasks))
-    results.put((sum(r["tokens"] for r in records), time.perf_counter()))
+    results.put((sum(r["tokens"] for r in records), time.perf_counter(), mean_phases(records)))
 
 
 def _from_processes(queue, procs):
@@ -353,6 +355,7 @@ def measure_generation_processes(config, manifest: str, rows_per_shard: int, sha
         aux = MaskedLM(config.model, V, config.aux.num_layers)
         aux_path = save_aux(aux, config.model, config.aux.num_layers, V, "synthetic", tmp, {"steps": 0})
         plan = GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0)
+        shards = -(-shards // processes) * processes  # as many for each process: none waits on another's last
         tasks = plan_tasks(rows_per_shard * shards, 0, plan, config.seed)
         ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_generation_process, args=(str(aux_path), manifest, tasks[i::processes], tmp,
@@ -366,9 +369,11 @@ def measure_generation_processes(config, manifest: str, rows_per_shard: int, sha
         done = [_from_processes(results, procs) for _ in procs]
         for proc in procs:
             proc.join()
-        seconds = max(end for _, end in done) - t0
-        tokens = sum(n for n, _ in done)
-    return {"processes": processes, "shards": shards, "tokens": tokens, "tokens_per_s": tokens / seconds}
+        seconds = max(end for _, end, _ in done) - t0
+        tokens = sum(n for n, _, _ in done)
+        phases = {name: sum(p[name] for *_, p in done) / processes for name in done[0][2]}  # per shard, mean
+    return {"processes": processes, "shards": shards, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "phase_seconds_per_shard": phases}
 
 
 def measure_attention(config, rows: int, repeats: int = 10, device: torch.device = torch.device("cuda"),
@@ -570,6 +575,11 @@ def markdown(r: dict, args) -> str:
                f"{g['forward_peak_memory_gib']:.1f} GiB ({g['peak_vs_forward_peak']:.2f}) | <= 1.5 |" if
                "forward_peak_memory_gib" in g else f"| generation peak memory | {g['peak_memory_gib']:.1f} GiB | |",
                f"| attention backend of the aux forward (profiler) | {', '.join(g.get('aux_sdpa_kernels', [])) or '?'} | fused |"]
+    if "generation" in r and "phase_seconds_per_shard" in r["generation"]:
+        g = r["generation"]
+        md += [f"| generation, seconds per shard ({g['generation_seconds_per_shard']:.3f} with 2 in flight), by phase "
+               f"(ShardWriter's `phase_seconds`, mean of a shard) | "
+               + ", ".join(f"{k} {v:.3f}" for k, v in g["phase_seconds_per_shard"].items()) + " | |"]
     if "generation" in r and len(r["generation"].get("gen_vs_forward_by_depth", {})) > 1:
         md += [f"| generation / aux forward, {d} shards in flight | {x:.3f} | |"
                for d, x in r["generation"]["gen_vs_forward_by_depth"].items()]

@@ -200,6 +200,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     save_resolved(config, out_dir)
 
     from generate.job import actor_device, read_progress, run_tasks
+    from generate.worker import mean_phases
     known = read_progress(out_dir)  # holds the same sizes and hashes as manifest.json
     manifest_path = out_dir / MANIFEST_FILE
     stamps = None if verify else read_stamps(out_dir)
@@ -287,4 +288,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
         f"({tokens / max(seconds, 1e-9):.0f} tokens/s); {curriculum_record(config.generate)['name']}; "
         f"T {min(t_all):.3f}..{max(t_all):.3f}; "
         f"replaced {epochs[0]['replaced_fraction']:.3f} of masked (epoch 0){top1} -> {manifest_path}")
+    phases = mean_phases(records)
+    if phases:  # where an actor's time goes: its host side (Python) or the aux model (`phase_seconds`)
+        log("generate: a shard's seconds (mean): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     return manifest

@@ -117,6 +117,7 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     assert generation["tokens"] == 2 * 16 * 32 and generation["gen_vs_forward"] > 0
     assert generation["forward_flops_per_s"] > 0 and generation["forward_peak_memory_gib"] > 0
     assert set(generation["gen_vs_forward_by_depth"]) == {2, 3} and generation["profiled_wall_s"] > 0
+    assert generation["phase_seconds_per_shard"]["device"] > 0 and generation["generation_seconds_per_shard"] > 0
     # the attention ways that run on a CPU (FlexAttention's backward does not): the same function as the model's
     # way within bf16 rounding, each naming its backend
     ways = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_head_bias", "sdpa_no_bias")
@@ -127,14 +128,15 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
 
 
 def test_bench_gpu_times_generation_in_processes_sharing_the_device():
-    """`generation_processes`: the shards split over processes, each an actor of its own; every token counted
-    once, from the moment all are ready."""
+    """`generation_processes`: the shards split evenly over processes (3 asked over 2: 4, so neither waits on the
+    other's last shard), each an actor of its own; every token counted once, from the moment all are ready."""
     from bench import gpu
     from common.config import load_manifest
     config = load_manifest("manifests/tiny.toml")
     out = gpu.measure_generation_processes(config, "manifests/tiny.toml", rows_per_shard=8, shards=3, processes=2,
                                            device=torch.device("cpu"))
-    assert out["tokens"] == 3 * 8 * config.corpus.max_seq_len and out["tokens_per_s"] > 0
+    assert out["shards"] == 4 and out["tokens"] == 4 * 8 * config.corpus.max_seq_len and out["tokens_per_s"] > 0
+    assert set(out["phase_seconds_per_shard"]) == {"read", "prepare", "wait", "device", "finish", "write"}
 
 
 def test_bench_gpu_counts_the_aux_forward_as_generation_runs_it(tmp_path):

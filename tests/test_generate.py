@@ -204,3 +204,28 @@ def test_actors_share_a_gpu_as_asked_and_cpu_actors_are_one_per_worker(capsys):
     assert "16 workers asked, the cluster has 8 GPU(s); using 8" in capsys.readouterr().out
     count, options = actor_plan(workers=3, gpus=0, actors_per_gpu=4)
     assert count == 3 and options["num_gpus"] == 0 and options["max_concurrency"] == 1
+
+
+def test_a_shards_record_says_where_its_time_went(built, tmp_path):
+    """`phase_seconds`: reading, masking, waiting for the device, the aux model and sampling, labels, writing;
+    in that order, adding up to the shard's time; a wait for the device lock (another shard's turn) is counted
+    as waiting, not as device time."""
+    import threading
+    import time
+    from common.corpus import SplitRows
+    from generate.worker import ShardWriter
+    g = GenerateConfig(epochs=1, rows_per_shard=64, valid_rows=0, rows_per_epoch=64)
+    task = plan_tasks(len(load_split(built.corpus_dir, "train")), 0, g, built.seed)[0]
+    corruptor = Corruptor(built.aux_dir / AUX_FILE, built.seed, 0.15, 2048)
+    writer = ShardWriter({"train": SplitRows(built.corpus_dir, "train")}, corruptor, tmp_path)
+    lock, records = threading.Lock(), []
+    with lock:  # another shard on the device for 1 s
+        worker = threading.Thread(target=lambda: records.append(writer(task, lock)))
+        worker.start()
+        time.sleep(1.0)
+    worker.join()
+    phases = records[0]["phase_seconds"]
+    assert list(phases) == ["read", "prepare", "wait", "device", "finish", "write"]
+    assert min(phases.values()) >= 0 and phases["device"] > 0 and phases["write"] > 0
+    assert 0.5 < phases["wait"] < 1.1  # 64 rows read and masked in well under half a second
+    assert sum(phases.values()) <= records[0]["seconds"] + 1e-3
