@@ -48,9 +48,12 @@ def row_generators(seed: int, epoch: int, row_ids, device) -> list[torch.Generat
 def _dropout(x: torch.Tensor, rates: torch.Tensor | None, gens: list | None, lengths: list[int]) -> torch.Tensor:
     """Inverted dropout with one rate per row (dim 0); rate 0 leaves a row exactly as it was. Row b's
     mask covers its own `lengths[b]` tokens ((tokens, width) for activations, (heads, tokens, tokens)
-    for attention probabilities), drawn from `gens[b]`; padding is kept (it is never read)."""
+    for attention probabilities; None: every row all of its tokens), drawn from `gens[b]`; padding is kept
+    (it is never read)."""
     if rates is None:
         return x
+    if lengths is None:
+        lengths = [x.shape[2] if x.dim() == 4 else x.shape[1]] * x.shape[0]
     keep = (1.0 - rates.float()).view(-1, *[1] * (x.dim() - 1))
     mask = torch.ones(x.shape, dtype=torch.bool, device=x.device)
     for b, (gen, n) in enumerate(zip(gens, lengths)):
@@ -66,9 +69,9 @@ class RowDropout:
     (embeddings, residual branches) at rate `dropout[b]` and / or attention probabilities at rate
     `attention_dropout[b]` for row b, drawn from `generators[b]` in the order the encoder reaches them."""
 
-    def __init__(self, attention_mask: torch.Tensor, dropout: torch.Tensor | None = None,
+    def __init__(self, attention_mask: torch.Tensor | None, dropout: torch.Tensor | None = None,
                  attention_dropout: torch.Tensor | None = None, generators: list | None = None):
-        lengths = attention_mask.sum(1).tolist()
+        lengths = None if attention_mask is None else attention_mask.sum(1).tolist()  # None: no row padded
         self.hidden = lambda x: _dropout(x, dropout, generators, lengths)
         self.attention = None if attention_dropout is None else (
             lambda probs: _dropout(probs, attention_dropout, generators, lengths))

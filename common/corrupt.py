@@ -98,7 +98,7 @@ class Corruptor:
 
     def masked_batches(self, rows: list[np.ndarray], row_ids: np.ndarray, epoch: int, drop_rates=None):
         """Per-row masked positions and uniforms, and the length-grouped model inputs as a list of
-        (row indices, input ids, attention mask, masked flags) on the device, masked by
+        (row indices, input ids, attention mask or None if no row is padded, masked flags) on the device, masked by
         `common.batching.masked_inputs`. With `drop_rates`, each row's aux input also gets that fraction of
         [UNK]s (appendix C), drawn after its other draws."""
         row_ids = np.asarray(row_ids)
@@ -113,8 +113,11 @@ class Corruptor:
             for i, pos in zip(batch, made["positions"]):
                 positions[i] = pos
                 uniforms[i], offset = u[offset:offset + len(pos)], offset + len(pos)
-            batches.append((batch, to_device(made["masked_ids"], self.device),
-                            to_device(attention_mask(lengths[batch], longest), self.device), to_device(flags, self.device)))
+            # no row padded (rows grouped by length: most batches of a 512-token corpus): no mask, so the aux
+            # encoder keeps one attention bias for the batch (`common.model.Encoder.forward`)
+            attn = None if lengths[batch].min() == longest else to_device(attention_mask(lengths[batch], longest),
+                                                                          self.device)
+            batches.append((batch, to_device(made["masked_ids"], self.device), attn, to_device(flags, self.device)))
         return positions, uniforms, batches
 
     def aux_logits(self, ids, attn, flags) -> torch.Tensor:

@@ -277,7 +277,8 @@ class HFMaskedLM(nn.Module):
         """The base model's output at the masked positions (`common.model.MaskedLM.masked_hidden`)."""
         if drop is not None:
             raise ValueError("per-row dropout (appendix C) needs our own aux model, not a Hugging Face one")
-        kwargs = {"input_ids": self.hf_of[input_ids], "attention_mask": attention_mask.long()}
+        kwargs = {"input_ids": self.hf_of[input_ids],  # a mask of None: no row padded, as Hugging Face reads it
+                  "attention_mask": None if attention_mask is None else attention_mask.long()}
         if self.token_types:
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)
         return self.model.base_model(**kwargs)[0][masked_positions]

@@ -139,16 +139,20 @@ class Encoder(nn.Module):
         self.ln_final = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.dropout = cfg.dropout
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, drop=None) -> torch.Tensor:
-        """`drop`: per-row dropout in place of the model's own (`EncoderLayer.forward`)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, drop=None) -> torch.Tensor:
+        """`attention_mask`: (B, L), False on padding; None where no row is padded (the caller knows it on the
+        host), so the attention bias stays one (1, heads, L, L) for the batch instead of (B, heads, L, L): at
+        the base shape 3.2 GB less for a generation batch of 512 rows in bf16, and attention reads less.
+        `drop`: per-row dropout in place of the model's own (`EncoderLayer.forward`)."""
         x = self.ln_embed(self.embed(input_ids))
         x = F.dropout(x, self.dropout, self.training) if drop is None else drop.hidden(x)
         # Additive bias: relative positions, and -inf on padded keys. In the dtype the layers' q and k
         # will have: under bf16 autocast a float32 bias sends SDPA to its slow math path (fp32 matmuls).
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        pad = torch.zeros(attention_mask.shape, dtype=dtype, device=x.device)
-        pad = pad.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
-        bias = (self.rel_bias(input_ids.shape[1]).to(dtype) + pad)
+        bias = self.rel_bias(input_ids.shape[1]).to(dtype)
+        if attention_mask is not None:
+            pad = torch.zeros(attention_mask.shape, dtype=dtype, device=x.device)
+            bias = bias + pad.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
         for layer in self.layers:
             x = layer(x, bias, drop)
         return self.ln_final(x)

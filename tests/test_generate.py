@@ -229,3 +229,22 @@ def test_a_shards_record_says_where_its_time_went(built, tmp_path):
     assert min(phases.values()) >= 0 and phases["device"] > 0 and phases["write"] > 0
     assert 0.5 < phases["wait"] < 1.1  # 64 rows read and masked in well under half a second
     assert sum(phases.values()) <= records[0]["seconds"] + 1e-3
+
+
+def test_a_batch_of_rows_of_one_length_goes_to_the_aux_model_without_a_mask(built):
+    """Rows grouped by length: a batch with no padded row carries no attention mask (one attention bias for the
+    batch, `common.model.Encoder.forward`), with the aux model's logits of an all-True mask bit for bit; a
+    batch of mixed lengths keeps its mask."""
+    import torch
+    from common.batching import attention_mask
+    rows = [r for r in load_split(built.corpus_dir, "train") if len(r) == 32][:6]
+    rows += [r[:20] for r in rows[:2]] + [rows[0][:25]]  # 6 rows of 32 tokens, 3 shorter ones
+    corruptor = Corruptor(built.aux_dir / AUX_FILE, seed=3, mask_prob=0.15, batch_tokens=3 * 32)
+    _, _, batches = corruptor.masked_batches(rows, np.arange(len(rows)), 0)
+    assert [len(batch) for batch, *_ in batches] == [3, 3, 3]  # 20, 20, 25 tokens; twice 3 x 32
+    assert [attn is None for _, _, attn, _ in batches] == [False, True, True]
+    assert not batches[0][2].all()
+    _, ids, _, flags = batches[1]
+    with torch.no_grad():
+        assert torch.equal(corruptor.aux_logits(ids, None, flags).clone(),
+                           corruptor.aux_logits(ids, attention_mask([32] * 3, 32), flags))

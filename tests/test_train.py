@@ -222,3 +222,44 @@ def test_the_logged_peak_memory_is_the_trainers_own_not_its_launchers(generated,
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = [json.loads(line)["peak_memory_mb"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert peaks and all(100 < peak < 1500 for peak in peaks), peaks
+
+
+def test_a_micro_batch_with_no_padded_row_runs_the_model_without_a_mask(monkeypatch):
+    """The batch says whether a row is padded (`padded`, from the lengths where it is made: no host read in the
+    update); if none is, forward_losses gives the model no mask (one attention bias for the micro-batch,
+    `common.model.Encoder.forward`), RTD and ELECTRA alike, and the RTD loss is the same. A padded micro-batch,
+    or one that does not say, keeps its mask."""
+    import common.model as model_module
+    from common.config import ModelConfig
+    from common.model import ReplacedTokenDetector
+    from train.data import to_tensors
+    from train.objectives import ElectraPair, electra_tensors, forward_losses
+    shapes, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        shapes.append(attn_mask.shape[0])
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, rel_buckets=8, rel_max_distance=16,
+                      dropout=0.0)
+    torch.manual_seed(0)
+    model, cpu = ReplacedTokenDetector(cfg, 100), torch.device("cpu")
+    rng = np.random.default_rng(0)
+    rows = {"input_ids": [rng.integers(5, 100, 16) for _ in range(3)], "labels": [rng.random(16) < 0.15 for _ in range(3)]}
+    full = to_tensors(rows)
+    assert full["padded"] is False
+    rtd = forward_losses(model, full, cpu, False)[0]
+    assert shapes == [1, 1]  # one bias, broadcast over the rows, in each layer
+    assert torch.equal(rtd, forward_losses(model, {**full, "padded": True}, cpu, False)[0])
+    assert shapes == [1, 1, 3, 3]
+    shapes.clear()
+    short = to_tensors({k: [*v[:2], v[2][:9]] for k, v in rows.items()})
+    assert short["padded"] is True
+    forward_losses(model, short, cpu, False)
+    forward_losses(model, {k: v for k, v in full.items() if k != "padded"}, cpu, False)
+    assert shapes == [3, 3] * 2
+    shapes.clear()
+    electra = electra_tensors({"input_ids": rows["input_ids"][:2], "row_id": [0, 1], "epoch": [0, 0]})
+    assert electra["padded"] is False
+    forward_losses(ElectraPair(cfg, 100), electra, cpu, True)  # the generator's layer, then the detector's
+    assert shapes == [1] * (1 + cfg.num_layers)

@@ -457,11 +457,12 @@ def validation_stream(data_dir, manifest: dict) -> ShardStream:
 
 def to_tensors(rows: dict) -> dict:
     """Padded tensors in compact dtypes (what crosses to the device is 6 bytes a token, not 13): input_ids
-    (B, L) int32, labels (B, L) uint8 (0/1, made float where the loss is computed), attention_mask (B, L) bool."""
+    (B, L) int32, labels (B, L) uint8 (0/1, made float where the loss is computed), attention_mask (B, L) bool;
+    and `padded`, whether any row is shorter than the longest (known here, from the lengths)."""
     lengths = [len(r) for r in rows["input_ids"]]
     ids = pad_rows(rows["input_ids"], dtype=torch.int32)
     return {"input_ids": ids, "labels": pad_rows(rows["labels"], 0, torch.uint8),
-            "attention_mask": attention_mask(lengths, ids.shape[1])}
+            "attention_mask": attention_mask(lengths, ids.shape[1]), "padded": min(lengths) < ids.shape[1]}
 
 
 def rank_slice(step: int, batch_size: int, rank: int, world: int) -> tuple[int, int]:

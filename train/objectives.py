@@ -62,10 +62,10 @@ def electra_tensors(rows: dict, seed: int = 0, mask_prob: float = 0.15, reserved
     lengths = [len(r) for r in rows["input_ids"]]
     batch = masked_inputs(rows["input_ids"], rows["row_id"], rows["epoch"], seed, mask_prob, max(lengths),
                           reserved=reserved, vocab_size=vocab_size)
-    return {**batch, "attention_mask": attention_mask(lengths, max(lengths))}
+    return {**batch, "attention_mask": attention_mask(lengths, max(lengths)), "padded": min(lengths) < max(lengths)}
 
 
-ELECTRA_INPUTS = ("masked_ids", "attention_mask", "masked_flags", "original_ids", "uniforms")
+ELECTRA_INPUTS = ("masked_ids", "masked_flags", "original_ids", "uniforms")  # with the mask: ElectraPair's
 MLM_INPUTS = ("masked_ids", "attention_mask", "masked_index", "targets")
 
 
@@ -77,10 +77,15 @@ def forward_losses(model, batch: dict, device, electra: bool) -> tuple:
         mlm, hits = model(*(to_device(batch[k], device) for k in MLM_INPUTS))
         return None, mlm, hits
     mask = to_device(batch["attention_mask"], device)  # page-locked, not waiting for the device (common.batching)
+    # no row padded (`padded`, from the rows' lengths where the batch was made): the model gets no mask and keeps
+    # one attention bias for the micro-batch, not one per row (`common.model.Encoder.forward`); the loss still
+    # weighs by the mask
+    model_mask = mask if batch.get("padded", True) else None
     if electra:  # the generator masks, predicts and samples; the discriminator detects
-        mlm, logits, labels, hits = model(*(to_device(batch[k], device) for k in ELECTRA_INPUTS))
+        ids, flags, originals, uniforms = (to_device(batch[k], device) for k in ELECTRA_INPUTS)
+        mlm, logits, labels, hits = model(ids, model_mask, flags, originals, uniforms)
     else:
-        logits, labels = model(to_device(batch["input_ids"], device), mask), to_device(batch["labels"], device)
+        logits, labels = model(to_device(batch["input_ids"], device), model_mask), to_device(batch["labels"], device)
         mlm = hits = None
     # pads weighted out rather than indexed away: a boolean index has a data-dependent size, which a GPU
     # answers by waiting for the device (a host sync per micro-batch)
