@@ -245,7 +245,8 @@ def test_a_micro_batch_with_no_padded_row_runs_the_model_without_a_mask(monkeypa
     torch.manual_seed(0)
     model, cpu = ReplacedTokenDetector(cfg, 100), torch.device("cpu")
     rng = np.random.default_rng(0)
-    rows = {"input_ids": [rng.integers(5, 100, 16) for _ in range(3)], "labels": [rng.random(16) < 0.15 for _ in range(3)]}
+    rows = {"input_ids": [rng.integers(5, 100, 16) for _ in range(3)],
+            "labels": [rng.random(16) < 0.15 for _ in range(3)]}
     full = to_tensors(rows)
     assert full["padded"] is False
     rtd = forward_losses(model, full, cpu, False)[0]
