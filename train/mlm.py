@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common.batching import attention_mask, flat_positions, masked_inputs
+from common.batching import attention_mask, flat_positions, masked_inputs, to_device
 from common.config import RunConfig
 from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import AUX_MLM_STREAM, VALID_EPOCH
@@ -113,7 +113,7 @@ def evaluate_mlm(model: MLMObjective, valid: RowsInMemory, device, autocast, to_
     for start in range(0, valid.num_rows, batch_size):
         batch = to_batch(valid.rows(start, min(start + batch_size, valid.num_rows)))
         with autocast:
-            loss, hit = model(*(batch[k].to(device) for k in MLM_INPUTS))
+            loss, hit = model(*(to_device(batch[k], device) for k in MLM_INPUTS))  # page-locked, as in training
         loss_sum, hits, count = loss_sum + float(loss), hits + int(hit), count + len(batch["targets"])
     model.train()
     return {"loss": loss_sum / max(count, 1), "top1": hits / max(count, 1)}

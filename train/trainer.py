@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.batching import to_device
 from common.checkpoint import AUX_FILE, latest_checkpoint, list_checkpoints, local_aux
 from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
 from common.corpus import load_corpus_meta, local_corpus
@@ -62,8 +63,9 @@ def evaluate(model, valid, device, autocast, batch_size: int = 64) -> dict:
     logits, labels, masks = [], [], []
     for start in range(0, valid.num_rows, batch_size):
         batch = to_tensors(valid.rows(start, min(start + batch_size, valid.num_rows)))
+        mask = to_device(batch["attention_mask"], device) if batch["padded"] else None  # as in training
         with autocast:
-            out = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            out = model(to_device(batch["input_ids"], device), mask)
         logits.append(out.float().cpu().flatten())
         labels.append(batch["labels"].flatten())
         masks.append(batch["attention_mask"].flatten())
