@@ -296,6 +296,7 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
         reset_peak_memory(device)
         forward_s = min(device_seconds(forward_only, 3, device))
         forward_peak = peak_memory_gib(device)  # the forward alone, each batch's logits at its masked positions
+        same_logits = logits_as_before(corruptor, *prepared[0][0][1:])
         kernels = sdpa_kernels(torch.no_grad()(lambda: corruptor.aux_logits(*prepared[0][0][1:])))
         single_s = min(device_seconds(lambda: writer(tasks[0]), 2, device))
         profiled = profile_call(lambda: writer(tasks[0]), device) if profile else {}
@@ -303,11 +304,31 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
             "generation_tokens_per_s": tokens / generation_s, "forward_tokens_per_s": tokens / forward_s,
             "one_shard_at_a_time_tokens_per_s": rows_per_shard * L / single_s,
             "gen_vs_forward": forward_s / generation_s, "peak_memory_gib": peak, "aux_sdpa_kernels": kernels,
-            "forward_peak_memory_gib": forward_peak, "peak_vs_forward_peak": peak / forward_peak,
+            "forward_peak_memory_gib": forward_peak, "peak_vs_forward_peak": peak / forward_peak, **same_logits,
             "generation_tokens_per_s_by_depth": {d: tokens / s for d, s in by_depth.items()},
             "phase_seconds_per_shard": phases, "generation_seconds_per_shard": generation_s / len(records),
             "gen_vs_forward_by_depth": {d: forward_s / s for d, s in by_depth.items()},
             "forward_flops_per_s": aux_forward_flops(config, tokens // L, masked) / forward_s, **profiled}
+
+
+@torch.no_grad()
+def logits_as_before(corruptor, ids, attn, flags, rows: int = 8) -> dict:
+    """Whether the aux logits of a batch's first `rows` full rows are those of before session 25's two changes, bit
+    for bit: without a mask (one attention bias) as with an all-True one, and with the head's weight cast once as
+    with autocast casting it at every call. A GPU shard's bytes depend on both (else: a new generation key)."""
+    from common.batching import attention_mask
+    assert attn is None, "full rows (synthetic_rows) go to the aux model without a mask"
+    ids, flags = ids[:rows], flags[:rows]
+    one_bias = corruptor.aux_logits(ids, None, flags).clone()  # on CPU the kept buffer: copied before the next
+    full = attention_mask([ids.shape[1]] * len(ids), ids.shape[1]).to(ids.device)
+    per_row = corruptor.aux_logits(ids, full, flags).clone()
+    kept, corruptor.head_weight = corruptor.head_weight, None
+    try:
+        recast = corruptor.aux_logits(ids, None, flags).clone()
+    finally:
+        corruptor.head_weight = kept
+    return {"no_mask_logits_equal": bool(torch.equal(one_bias, per_row)),
+            "head_weight_logits_equal": bool(torch.equal(one_bias, recast))}
 
 
 def _generation_process(aux_path: str, config_path: str, tasks: list, out_dir: str, device: str, ready, go,
@@ -575,6 +596,9 @@ def markdown(r: dict, args) -> str:
                f"{g['forward_peak_memory_gib']:.1f} GiB ({g['peak_vs_forward_peak']:.2f}) | <= 1.5 |" if
                "forward_peak_memory_gib" in g else f"| generation peak memory | {g['peak_memory_gib']:.1f} GiB | |",
                f"| attention backend of the aux forward (profiler) | {', '.join(g.get('aux_sdpa_kernels', [])) or '?'} | fused |"]
+        if "no_mask_logits_equal" in g:
+            md += [f"| aux logits bit for bit as before session 25: without a mask / head weight cast once | "
+                   f"{g['no_mask_logits_equal']} / {g['head_weight_logits_equal']} | True / True |"]
     if "generation" in r and "phase_seconds_per_shard" in r["generation"]:
         g = r["generation"]
         md += [f"| generation, seconds per shard ({g['generation_seconds_per_shard']:.3f} with 2 in flight), by phase "

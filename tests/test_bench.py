@@ -118,6 +118,7 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     assert generation["forward_flops_per_s"] > 0 and generation["forward_peak_memory_gib"] > 0
     assert set(generation["gen_vs_forward_by_depth"]) == {2, 3} and generation["profiled_wall_s"] > 0
     assert generation["phase_seconds_per_shard"]["device"] > 0 and generation["generation_seconds_per_shard"] > 0
+    assert generation["no_mask_logits_equal"] is True and generation["head_weight_logits_equal"] is True
     # the attention ways that run on a CPU (FlexAttention's backward does not): the same function as the model's
     # way within bf16 rounding, each naming its backend
     ways = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_head_bias", "sdpa_no_bias")

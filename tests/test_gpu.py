@@ -26,6 +26,26 @@ def test_gpu_corruptor_keeps_the_label_rule_and_matches_cpu_masking(built):
     assert out["replaced"] > 0
 
 
+def test_gpu_aux_logits_are_those_of_a_mask_and_of_autocasts_own_weight_cast(built):
+    """The two changes of session 25 that no GPU has run yet, each of which must leave a GPU shard's bytes as
+    they were (else a new generation key): a batch without padding given no mask (one attention bias, not one
+    per row) and the head's weight cast to bf16 once, against autocast casting it at every call."""
+    from common.batching import attention_mask
+    from common.corrupt import head_weight
+    rows = [r for r in load_split(built.corpus_dir, "train") if len(r) == 32][:8]
+    corruptor = Corruptor(built.aux_dir / AUX_FILE, seed=3, mask_prob=0.15, batch_tokens=8 * 32, device="cuda")
+    assert corruptor.head_weight is not None and corruptor.head_weight.dtype == torch.bfloat16
+    _, _, [(_, ids, attn, flags)] = corruptor.masked_batches(rows, np.arange(8), 0)
+    assert attn is None
+    with torch.no_grad():
+        no_mask = corruptor.aux_logits(ids, None, flags)
+        masked = corruptor.aux_logits(ids, attention_mask([32] * 8, 32).cuda(), flags)
+        corruptor.head_weight = None  # autocast's own cast, at every call
+        recast = corruptor.aux_logits(ids, None, flags)
+    assert torch.equal(no_mask, masked) and torch.equal(no_mask, recast)
+    assert torch.equal(head_weight(corruptor.model, corruptor.autocast), corruptor.model.head.embedding.weight.bfloat16())
+
+
 def test_bench_gpu_runs_every_part_at_a_small_shape(tmp_path):
     """`make bench-gpu`'s measures at the tiny shape: each part writes its figures, none fails. (Its
     FlexAttention part is left out: on torch 2.11 / H100 its compiled kernel asked for more shared
