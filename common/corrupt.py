@@ -47,8 +47,8 @@ def top1_hits(logits: torch.Tensor, originals: torch.Tensor) -> torch.Tensor:
 def head_weight(model, autocast: torch.autocast | None) -> torch.Tensor | None:
     """Our aux model's tied head weight (vocabulary x width) in `autocast`'s dtype, cast once; None without
     autocast or for another model. Autocast keeps its casts only of weights that need a gradient, so the
-    frozen model's 128K x 768 matrix was cast again at every chunk of sampling: 58 of one shard's 434 ms of
-    device time on an H200 (docs/benchmarks.md, bench-gpu). The same values as autocast's own cast."""
+    frozen model's matrix was cast again at every chunk of sampling (its cost on an H200: docs/benchmarks.md,
+    bench-gpu). The same values as autocast's own cast."""
     if autocast is None or not isinstance(model, MaskedLM):
         return None
     return model.head.embedding.weight.detach().to(autocast.fast_dtype)

@@ -141,8 +141,8 @@ class Encoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, drop=None) -> torch.Tensor:
         """`attention_mask`: (B, L), False on padding; None where no row is padded (the caller knows it on the
-        host), so the attention bias stays one (1, heads, L, L) for the batch instead of (B, heads, L, L): at
-        the base shape 3.2 GB less for a generation batch of 512 rows in bf16, and attention reads less.
+        host), so the attention bias stays one (1, heads, L, L) for the batch instead of (B, heads, L, L): less
+        memory for a large batch, and less for attention to read (docs/design.md, the generator).
         `drop`: per-row dropout in place of the model's own (`EncoderLayer.forward`)."""
         x = self.ln_embed(self.embed(input_ids))
         x = F.dropout(x, self.dropout, self.training) if drop is None else drop.hidden(x)
