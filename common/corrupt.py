@@ -63,7 +63,8 @@ class Corruptor:
                  distribution: str = "aux", augmentation: str = "temperature", soh_alpha: float = 0.35,
                  term_counts: np.ndarray | None = None, compile_draws: bool | None = None):
         """`compile_draws`: the temperature draw of each chunk through `torch.compile`
-        (`common.distributions.chunk_draws`); None: on a GPU, where it is 3.6x faster than step by step."""
+        (`common.distributions.chunk_draws`); None: on a GPU, where it is faster than step by step
+        (docs/benchmarks.md, bench-gpu)."""
         self.device = torch.device(device)
         self.model, self.aux_meta = load_aux(aux_path, map_location=self.device)
         self.seed, self.mask_prob, self.batch_tokens = seed, mask_prob, batch_tokens
@@ -177,16 +178,17 @@ class Corruptor:
             rows = F.pad(rows, (0, 0, 0, self.chunk_rows - count))
         with self.autocast or contextlib.nullcontext():
             logits = self._head(rows)
+        if compiled:  # the top-1 hits in the same graph: the pass for the mode reads the logits anyway
+            t, u, o = temperatures[part], uniforms[part], originals[part]
+            if short:
+                pad = (0, self.chunk_rows - count)
+                t, u, o = F.pad(t, pad, value=1.0), F.pad(u, pad), F.pad(o, pad, value=-1)  # -1: never a hit
+            ids, dead, hits = self.draws(logits, t, u, o, self.reserved.head, self.reserved.stop(self.vocab_size))
+            return ids[:count], hits, dead[:count]
         hits = top1_hits(logits[:count], originals[part])
         if augmentation == "tf_interpolation":
             log_w = log_interpolation(self.log_tf, aux_log_probs(logits, self.reserved), gammas[part])
             return sample_from_log_weights(log_w, uniforms[part], self.reserved, self.scratch), hits, None
-        if compiled:
-            t, u = temperatures[part], uniforms[part]
-            if short:
-                t, u = F.pad(t, (0, self.chunk_rows - count), value=1.0), F.pad(u, (0, self.chunk_rows - count))
-            ids, dead = self.draws(logits, t, u, self.reserved.head, self.reserved.stop(self.vocab_size))
-            return ids[:count], hits, dead[:count]
         ids, dead = temperature_draws(logits, temperatures[part], uniforms[part], self.reserved, self.scratch)
         return ids, hits, dead
 

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from common.tokenizer import SPECIAL_IDS, Reserved
 
@@ -194,23 +195,40 @@ def temperature_draws(logits: torch.Tensor, temperature: torch.Tensor, uniforms:
     return _inverse_cdf(scaled, uniforms, reserved, scratch)
 
 
-def chunk_draws(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor, head: int, stop: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`temperature_draws` (paper section 3, eq. 1) as one pure function of a chunk, for `torch.compile`: the
-    scaling, the maximum and its index, exp, the cumulative sum and the search fused into a few passes over (K, V)
-    instead of one per step. The same arithmetic; compiled, the sums round in another order, so a draw near a
-    boundary of the CDF can land on the neighbouring id (about 1.5% of positions at 128K entries; measured in
-    docs/benchmarks.md). `head` / `stop`: the ids a replacement may be, [head, stop)."""
-    x = logits.float() / temperature.float().clamp(*TEMPERATURE_RANGE)[:, None]
-    x[:, :head] = float("-inf")
-    x[:, stop:] = float("-inf")
-    top, mode = x.max(dim=-1, keepdim=True)
-    weights = (x - top).exp()
-    cdf = weights.cumsum(dim=-1)
-    targets = (uniforms.double() * cdf[:, -1].double()).float()[:, None]
-    idx = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=weights.shape[1] - 1)
-    bad = weights.gather(1, idx[:, None]).squeeze(1) <= 0
-    return torch.where(bad, mode.squeeze(1), idx), ~(cdf[:, -1] > 0)
+def chunk_draws(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor, originals: torch.Tensor,
+                head: int, stop: int, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`temperature_draws` (paper section 3, eq. 1) as one pure function of a chunk, for `torch.compile`, and
+    the chunk's aux top-1 hits: rows whose original id (`originals`; -1 on padding rows) has the row's largest
+    logit. The inverse CDF in two levels: the mass of each `block` of ids, a search among the blocks, then the
+    running sum inside the one block the uniform falls in (recomputed from the logits). So the (K, V) entries
+    are read twice (the maxima; the blocks' masses) and nothing of size (K, V) is written: the step-by-step form
+    writes the scaled logits, their exp and their cumulative sum, and finds the mode. The same distribution;
+    the sums round in another order, so a draw near a boundary of the CDF can land on the neighbouring id
+    (measured in tests/test_distributions.py and docs/benchmarks.md); a uniform that rounding carries past the
+    mass takes the last id with mass, where the step-by-step form takes the mode. `head` / `stop`: the ids a
+    replacement may be, [head, stop)."""
+    rows, vocab = logits.shape
+    blocks = -(-vocab // block)
+    own = logits.gather(1, originals.clamp(min=0)[:, None]).squeeze(1)
+    hits = ((own == logits.amax(dim=-1)) & (originals >= 0)).sum()
+    t = temperature.float().clamp(*TEMPERATURE_RANGE)[:, None]
+    col = torch.arange(blocks * block, device=logits.device)
+    allowed = (col >= head) & (col < stop)
+    wide = F.pad(logits, (0, blocks * block - vocab)) if blocks * block > vocab else logits
+    x = torch.where(allowed, wide.float() / t, float("-inf"))
+    top = x.amax(dim=-1, keepdim=True)
+    mass = (x - top).exp().view(rows, blocks, block).sum(dim=-1)  # (K, blocks)
+    cdf = mass.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    targets = (uniforms.double()[:, None] * total.double()).float()
+    last_block = torch.where(mass > 0, torch.arange(blocks, device=logits.device), 0).amax(dim=-1, keepdim=True)
+    which = torch.minimum(torch.searchsorted(cdf, targets, right=True), last_block)  # (K, 1)
+    before = torch.where(which > 0, cdf.gather(1, (which - 1).clamp(min=0)), 0.0)
+    inside = which * block + torch.arange(block, device=logits.device)  # (K, block) ids of that block
+    weights = (x.gather(1, inside) - top).exp()
+    last = torch.where(weights > 0, torch.arange(block, device=logits.device), 0).amax(dim=-1, keepdim=True)
+    within = torch.minimum(torch.searchsorted(before + weights.cumsum(dim=-1), targets, right=True), last)
+    return (which * block + within).squeeze(1), ~(total.squeeze(1) > 0), hits
 
 
 def redraw_without_mass(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,

@@ -101,10 +101,11 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
 
 # How rows are drawn, beyond the settings: epoch orders by `IndexPermutation`, the aux model's dropout
 # masks from a generator per row (`common.augment.row_generators`), and on a GPU each chunk's temperature draw
-# compiled (`common.distributions.chunk_draws`; until 2026-11-26 step by step, which rounds otherwise). Before
-# the first two: a numpy permutation of the whole split and masks per batch, and generation keys without this
-# entry. Part of the generation key: shards drawn one way are never taken for shards drawn the other.
-DRAWS_VERSION = "feistel-order, per-row-dropout, compiled-gpu-draws"
+# compiled as an inverse CDF by blocks of ids (`common.distributions.chunk_draws`; until 2026-11-26 step by step,
+# then compiled in one level, each rounding otherwise). Before the first two: a numpy permutation of the whole
+# split and masks per batch, and generation keys without this entry. Part of the generation key: shards drawn
+# one way are never taken for shards drawn the other.
+DRAWS_VERSION = "feistel-order, per-row-dropout, blocked-gpu-draws"
 # [generate] settings that only schedule the work: outside the generation key
 SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 

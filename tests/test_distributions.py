@@ -220,9 +220,12 @@ def test_scratch_buffers_draw_the_same_ids_and_are_kept_from_call_to_call():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_one_function_draw_for_compilation_is_the_step_by_step_draw(dtype):
-    """`chunk_draws` (what the GPU compiles) run eagerly gives `temperature_draws`' ids and rows without mass
-    exactly, broken rows and a reserved tail included: compiled, only the rounding of its sums differs."""
+@pytest.mark.parametrize("block", [8, 1024])
+def test_the_blocked_draw_for_compilation_is_the_step_by_step_draw(dtype, block):
+    """`chunk_draws` (what the GPU compiles: the inverse CDF by blocks of ids, then inside one block) run eagerly
+    leaves the same rows without mass as `temperature_draws`, broken rows and a reserved tail included, and
+    draws the same id at every other position but where its sums round otherwise, next to a CDF boundary:
+    there the neighbouring allowed id. Blocks of 8 over 60 ids: several blocks, the last one padded."""
     from common.distributions import chunk_draws, temperature_draws
     reserved = Reserved(head=NUM_SPECIAL, tail=7)
     logits = _nasty_logits(torch.float32)
@@ -231,6 +234,34 @@ def test_the_one_function_draw_for_compilation_is_the_step_by_step_draw(dtype):
     t = torch.linspace(0.05, 3.0, len(logits))
     u = torch.rand(len(logits), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     ids, dead = temperature_draws(logits, t, u, reserved)
-    one_ids, one_dead = chunk_draws(logits, t, u, reserved.head, reserved.stop(V))
+    none = torch.full((len(logits),), -1)
+    one_ids, one_dead, _ = chunk_draws(logits, t, u, none, reserved.head, reserved.stop(V), block=block)
     assert dead.any() and torch.equal(one_dead, dead)
     assert torch.equal(one_ids[~dead], ids[~dead])
+    # many draws from ordinary rows: the same ids but at rounding, and those one id apart
+    rows = 4000
+    logits = (torch.randn(rows, V, generator=torch.Generator().manual_seed(6)) * 3.0).to(dtype)
+    t = torch.rand(rows, generator=torch.Generator().manual_seed(7)) * 2.0 + 0.5
+    u = torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    ids, dead = temperature_draws(logits, t, u, reserved)
+    one_ids, one_dead, _ = chunk_draws(logits, t, u, none[:1].expand(rows), reserved.head, reserved.stop(V),
+                                       block=block)
+    assert not dead.any() and not one_dead.any()
+    differ = one_ids != ids
+    assert differ.float().mean() <= 2e-3 and ((one_ids - ids)[differ].abs() == 1).all()
+    assert ((one_ids >= reserved.head) & (one_ids < reserved.stop(V))).all()
+
+
+def test_the_blocked_draw_counts_the_top1_hits_of_its_chunk():
+    """`chunk_draws`' third output: how many rows have their largest logit at the original id (a tie for the
+    largest counts too); -1 (a padding row) never."""
+    from common.distributions import chunk_draws
+    logits = _logits(rows=50, seed=9)
+    originals = logits.argmax(dim=-1)
+    originals[::3] = (originals[::3] + 1) % V  # a third of the rows miss
+    originals[-5:] = -1
+    logits[1, (originals[1] + 1) % V] = logits[1].max()  # a hit tied with a later id
+    logits[2, (originals[2] + 2) % V] = logits[2].max()  # and with an earlier one, where argmax takes the other
+    _, _, hits = chunk_draws(logits, torch.ones(50), torch.full((50,), 0.5, dtype=torch.float64), originals,
+                             NUM_SPECIAL, V, block=16)
+    assert int(hits) == 45 - len(range(0, 45, 3))
