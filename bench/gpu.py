@@ -60,7 +60,8 @@ from generate.worker import ShardWriter, mean_phases
 
 RESULTS = Path("bench/results")
 ATTENTION_WAYS = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_efficient", "sdpa_head_bias", "sdpa_no_bias",
-                  "compiled_manual", "flex_table", "flex_dense")
+                  "compiled_manual", "flex_table", "flex_dense", "sdpa_bias_no_grad", "sdpa_bias_no_grad_dropout",
+                  "split_bias_grad")
 # Dense bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets (SXM parts; no sparsity).
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12}
 
@@ -256,16 +257,18 @@ def measure_efficiency(config, rows: int, accum: int, steps: int, device: torch.
 
 
 def measure_generation(config, rows_per_shard: int, shards: int, device: torch.device = torch.device("cuda"),
-                       profile: bool = False, depths: tuple[int, ...] = (2,)) -> dict:
+                       profile: bool = False, depths: tuple[int, ...] = (2,), chunk_entries: int | None = None) -> dict:
     """Tokens/s of ShardWriter with two shards in flight (generate/job.py's GPU actor) over the aux
     model's pure forward on the same masked batches; also with each of `depths` shards in flight
-    (`[generate] tasks_in_flight`), `generation_tokens_per_s_by_depth`."""
+    (`[generate] tasks_in_flight`), `generation_tokens_per_s_by_depth`. `chunk_entries`: the sampler's
+    positions x V per chunk, if not the Corruptor's own."""
     g, V, L = config.generate, config.tokenizer.vocab_size, config.corpus.max_seq_len
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         torch.manual_seed(config.seed)
         aux = MaskedLM(config.model, V, config.aux.num_layers)
         aux_path = save_aux(aux, config.model, config.aux.num_layers, V, "synthetic", tmp, {"steps": 0})
         corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=str(device))
+        corruptor.chunk_entries = chunk_entries or corruptor.chunk_entries
         rows = synthetic_rows(rows_per_shard * (shards + 1), L, V, seed=1)
         plan = GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0)
         tasks = plan_tasks(len(rows), 0, plan, config.seed)  # one epoch of the synthetic rows, T from 2 down
@@ -303,12 +306,48 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
     return {"rows_per_shard": rows_per_shard, "shards": shards, "tokens": tokens, "batch_tokens": g.batch_tokens,
             "generation_tokens_per_s": tokens / generation_s, "forward_tokens_per_s": tokens / forward_s,
             "one_shard_at_a_time_tokens_per_s": rows_per_shard * L / single_s,
-            "gen_vs_forward": forward_s / generation_s, "peak_memory_gib": peak, "aux_sdpa_kernels": kernels,
+            "gen_vs_forward": forward_s / generation_s, "peak_memory_gib": peak,
+            "chunk_entries": corruptor.chunk_entries, "aux_sdpa_kernels": kernels,
             "forward_peak_memory_gib": forward_peak, "peak_vs_forward_peak": peak / forward_peak, **same_logits,
             "generation_tokens_per_s_by_depth": {d: tokens / s for d, s in by_depth.items()},
             "phase_seconds_per_shard": phases, "generation_seconds_per_shard": generation_s / len(records),
             "gen_vs_forward_by_depth": {d: forward_s / s for d, s in by_depth.items()},
             "forward_flops_per_s": aux_forward_flops(config, tokens // L, masked) / forward_s, **profiled}
+
+
+@torch.no_grad()
+def measure_draws(config, device: torch.device = torch.device("cuda"), repeats: int = 20, seed: int = 0) -> dict:
+    """One chunk of sampling at the base vocabulary (the Corruptor's positions x V, bf16 logits of spread 4, T in
+    [0.5, 2.5]): milliseconds of the step-by-step temperature draw with its separate top-1 count, and of the
+    compiled blocked draw that counts them itself (`common.distributions.chunk_draws`, as a GPU Corruptor runs
+    it); the fraction of positions where both draw the same id, and whether the counts agree."""
+    from common.corrupt import top1_hits
+    from common.distributions import chunk_draws, temperature_draws
+    from common.memory import LOGIT_CHUNK_ENTRIES
+    from common.tokenizer import Reserved
+    V = config.tokenizer.vocab_size
+    rows = max(1, LOGIT_CHUNK_ENTRIES // V)
+    reserved = Reserved(head=len(SPECIAL_IDS), tail=0)
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = (torch.randn(rows, V, generator=g, device=device) * 4.0).to(torch.bfloat16)
+    t = torch.rand(rows, generator=g, device=device) * 2.0 + 0.5
+    u = torch.rand(rows, generator=g, device=device, dtype=torch.float64)
+    # half the rows hit (the argmax, the first of ties, which both counts take), half miss (the smallest logit)
+    originals = torch.where(torch.arange(rows, device=device) % 2 == 0, logits.argmax(dim=-1), logits.argmin(dim=-1))
+    compiled = torch.compile(chunk_draws, dynamic=False)
+
+    def steps():
+        return (*temperature_draws(logits, t, u, reserved), top1_hits(logits, originals))
+
+    def blocked():
+        return compiled(logits, t, u, originals, reserved.head, V)
+    (a, _, hits_a), (b, _, hits_b) = steps(), blocked()
+    timed = {}
+    for name, fn in (("steps", steps), ("blocked", blocked)):
+        device_seconds(fn, 3, device)
+        timed[name] = 1e3 * statistics.median(device_seconds(fn, repeats, device))
+    return {"positions": rows, "vocab": V, "step_by_step_ms": timed["steps"], "blocked_compiled_ms": timed["blocked"],
+            "same_id_fraction": float((a == b).float().mean()), "top1_hits_equal": int(hits_a) == int(hits_b)}
 
 
 @torch.no_grad()
@@ -332,12 +371,13 @@ def logits_as_before(corruptor, ids, attn, flags, rows: int = 8) -> dict:
 
 
 def _generation_process(aux_path: str, config_path: str, tasks: list, out_dir: str, device: str, ready, go,
-                        results) -> None:
+                        results, chunk_entries: int | None = None) -> None:
     """One of `measure_generation_processes`' processes: a GPU actor of generate/job.py as it would be with
     several actors sharing a GPU (its own Corruptor, two shards in flight behind its own lock)."""
     config = load_manifest(config_path)
     g, V, L = config.generate, config.tokenizer.vocab_size, config.corpus.max_seq_len
     corruptor = Corruptor(aux_path, config.seed, g.mask_prob, g.batch_tokens, device=device)
+    corruptor.chunk_entries = chunk_entries or corruptor.chunk_entries
     rows = synthetic_rows(tasks[0].spec.num_rows, L, V, seed=1)  # the plan's rows, all of them
     writer = ShardWriter({"train": rows}, corruptor, out_dir, g.zstd_level)
     writer(dataclasses.replace(tasks[0], path=f"warm-up-{os.getpid()}.parquet"))  # compile, kernels: not timed
@@ -364,7 +404,7 @@ def _from_processes(queue, procs):
 
 
 def measure_generation_processes(config, manifest: str, rows_per_shard: int, shards: int, processes: int,
-                                 device: torch.device = torch.device("cuda")) -> dict:
+                                 device: torch.device = torch.device("cuda"), chunk_entries: int | None = None) -> dict:
     """Tokens/s of generation by `processes` processes sharing the device, each an actor with two shards in
     flight on its share of `shards` shards (the host work of one process, Python's, is what bounds one actor:
     `gen_vs_forward`). From the moment all are ready (aux model loaded, a shard done) to the last one done."""
@@ -380,7 +420,8 @@ def measure_generation_processes(config, manifest: str, rows_per_shard: int, sha
         tasks = plan_tasks(rows_per_shard * shards, 0, plan, config.seed)
         ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_generation_process, args=(str(aux_path), manifest, tasks[i::processes], tmp,
-                                                                device.type, ready, go, results)) for i in range(processes)]
+                                                                device.type, ready, go, results, chunk_entries))
+                 for i in range(processes)]
         for proc in procs:
             proc.start()
         for _ in procs:
@@ -397,6 +438,39 @@ def measure_generation_processes(config, manifest: str, rows_per_shard: int, sha
             "phase_seconds_per_shard": phases}
 
 
+def _bias_grad(q, k, v, bias, out, grad):
+    """The gradient of softmax(q k^T / sqrt(d) + bias) v with respect to a (1, H, L, L) bias, from the output and
+    its gradient: dS = P * (dO v^T - rowsum(dO * O)), summed over the batch (no attention dropout)."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + bias.float()
+    probs = torch.softmax(scores, dim=-1)
+    dprobs = grad.float() @ v.float().transpose(-2, -1)
+    row = (grad.float() * out.float()).sum(-1, keepdim=True)
+    return (probs * (dprobs - row)).sum(0, keepdim=True).to(bias.dtype)
+
+
+class _SplitBiasGrad(torch.autograd.Function):
+    """Identity on the attention's output whose backward gives the bias its gradient (`_bias_grad`), so that the
+    attention itself runs with a bias that needs none (a fused kernel that does not compute one)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v, bias, bias_grad):
+        ctx.save_for_backward(out, q, k, v, bias)
+        ctx.bias_grad = bias_grad
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, q, k, v, bias = ctx.saved_tensors
+        return grad, None, None, None, ctx.bias_grad(q, k, v, bias, out, grad), None
+
+
+def split_bias_attention(q, k, v, bias, bias_grad=_bias_grad):
+    """SDPA with the bias detached (q, k, v get their gradients from the fused kernel), the bias's gradient
+    computed beside it (an experiment: no attention dropout)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.detach())
+    return _SplitBiasGrad.apply(out, q.detach(), k.detach(), v.detach(), bias, bias_grad)
+
+
 def measure_attention(config, rows: int, repeats: int = 10, device: torch.device = torch.device("cuda"),
                       variants: tuple[str, ...] | None = None) -> dict:
     """One layer's attention with the T5 bias at the base shape, full-length rows, each way the trainer could
@@ -410,6 +484,10 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
       compiled_manual      q k^T / sqrt(d) + bias, softmax, @ v under torch.compile
       flex_table           FlexAttention, the score modification indexing the (buckets, H) table
       flex_dense           FlexAttention, the score modification indexing a dense bf16 (H, L, L) bias
+      sdpa_bias_no_grad    the (1, H, L, L) bias detached: q, k, v get gradients, the table none (timed only)
+      sdpa_bias_no_grad_dropout  the same with attention dropout (timed only)
+      split_bias_grad      the detached bias's SDPA, the bias's gradient beside it (`split_bias_attention`,
+                           that gradient compiled where not on a CPU)
     Flex runs with kernel options small enough for the GPU's shared memory (its defaults asked for 278,528
     bytes on an H100). A way that fails is reported with its error, the others still measured."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -458,14 +536,19 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
             return compiled(q, k, v, score_mod=score_mod, kernel_options=small)
         return run
 
+    compiled_bias_grad = _bias_grad if device.type == "cpu" else torch.compile(_bias_grad, dynamic=False)
     ways = {"sdpa_dense_bias": sdpa_dense, "sdpa_dense_dropout": lambda: sdpa_dense(m.dropout),
             "sdpa_efficient": sdpa_efficient,
             "sdpa_head_bias": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=head_bias()),
             "sdpa_no_bias": lambda: F.scaled_dot_product_attention(q, k, v),
             "compiled_manual": lambda: compiled_manual(q, k, v, head_bias() + pad),
-            "flex_table": flex("table"), "flex_dense": flex("dense")}
+            "flex_table": flex("table"), "flex_dense": flex("dense"),
+            "sdpa_bias_no_grad": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=head_bias().detach()),
+            "sdpa_bias_no_grad_dropout": lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=head_bias().detach(), dropout_p=m.dropout),
+            "split_bias_grad": lambda: split_bias_attention(q, k, v, head_bias(), compiled_bias_grad)}
     same_function = ("sdpa_dense_bias", "sdpa_efficient", "sdpa_head_bias", "compiled_manual", "flex_table",
-                     "flex_dense")
+                     "flex_dense", "split_bias_grad")
     g = torch.randn(rows, h, L, d, device=device, dtype=dt)
     out, reference = {"rows": rows, "length": L, "heads": h, "head_dim": d}, None
     for name in variants or ATTENTION_WAYS:
@@ -491,7 +574,7 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
             with torch.no_grad():
                 device_seconds(fn, 2, device)
                 out[f"{name}_fwd_ms"] = 1e3 * statistics.median(device_seconds(fn, repeats, device))
-            if name.startswith("sdpa"):
+            if name.startswith(("sdpa", "split")):
                 out[f"{name}_kernels"] = sdpa_kernels(fwd_bwd)
         except Exception as e:  # noqa: BLE001 -- a way the GPU refuses is a result too
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:600]
@@ -513,7 +596,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gen-shards", type=int, default=6)
     parser.add_argument("--gen-depths", default="2", help="shards in flight to time generation at, comma-separated")
     parser.add_argument("--gen-processes", default="2,4", help="generation_processes: processes sharing the GPU")
+    parser.add_argument("--gen-chunk-entries", type=int, default=None,
+                        help="generation: the sampler's positions x V per chunk (default: the Corruptor's)")
     parser.add_argument("--only", default="mfu,efficiency,generation,attention")
+    parser.add_argument("--attention-ways", default="", help="attention: the ways to time, comma-separated (all)")
     parser.add_argument("--profile", action="store_true", help="print the update's GPU time by kernel")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -527,10 +613,14 @@ def main(argv=None) -> int:
                 "mfu_compiled": lambda: measure_mfu(config, args.rows, args.accum, args.steps, compiled=True),
                 "efficiency": lambda: measure_efficiency(config, args.rows, args.accum, args.steps),
                 "generation": lambda: measure_generation(config, args.gen_rows, args.gen_shards, profile=args.profile,
-                                                    depths=tuple(int(d) for d in args.gen_depths.split(","))),
-                "attention": lambda: measure_attention(config, args.rows),
+                                                    depths=tuple(int(d) for d in args.gen_depths.split(",")),
+                                                    chunk_entries=args.gen_chunk_entries),
+                "draws": lambda: measure_draws(config),
+                "attention": lambda: measure_attention(config, args.rows, variants=tuple(args.attention_ways.split(","))
+                                                       if args.attention_ways else None),
                 "generation_processes": lambda: {
-                    str(n): measure_generation_processes(config, args.manifest, args.gen_rows, args.gen_shards, n)
+                    str(n): measure_generation_processes(config, args.manifest, args.gen_rows, args.gen_shards, n,
+                                                         chunk_entries=args.gen_chunk_entries)
                     for n in map(int, args.gen_processes.split(","))}}
     errors = {}
     for part in args.only.split(","):
@@ -613,6 +703,11 @@ def markdown(r: dict, args) -> str:
                + (" (/ aux forward)" if forward else "") + f" | {x['tokens_per_s']:.0f}"
                + (f" ({x['tokens_per_s'] / forward:.3f})" if forward else "") + " | >= 0.85 |"
                for n, x in r["generation_processes"].items()]
+    if "draws" in r:
+        d = r["draws"]
+        md += [f"| one chunk's draw, {d['positions']} x {d['vocab']}: step by step / compiled by blocks (ms) | "
+               f"{d['step_by_step_ms']:.2f} / {d['blocked_compiled_ms']:.2f}; same id {d['same_id_fraction']:.4f}, "
+               f"top-1 counts equal {d['top1_hits_equal']} | |"]
     if "attention" in r:
         a = r["attention"]
         md += [f"| attention, one layer, {a['rows']} x {a['length']} tokens: {way} fwd+bwd / fwd (ms) | "

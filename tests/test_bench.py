@@ -121,10 +121,17 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     assert generation["no_mask_logits_equal"] is True and generation["head_weight_logits_equal"] is True
     # the attention ways that run on a CPU (FlexAttention's backward does not): the same function as the model's
     # way within bf16 rounding, each naming its backend
-    ways = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_head_bias", "sdpa_no_bias")
+    ways = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_head_bias", "sdpa_no_bias", "sdpa_bias_no_grad",
+            "split_bias_grad")
     attention = gpu.measure_attention(config, rows=2, repeats=1, device=cpu, variants=ways)
     assert all(f"{way}_fwd_bwd_ms" in attention for way in ways), attention
     assert attention["sdpa_head_bias_max_rel_diff"] < 2e-2 and attention["fastest_same_function"] in ways
+    # the bias's gradient computed beside a kernel that gives only q, k and v theirs: the table's gradient too
+    assert attention["split_bias_grad_max_rel_diff"] < 2e-2
+    # one chunk's draw both ways: the compiled blocked draw (a GPU Corruptor's) against the step-by-step one
+    draws = gpu.measure_draws(config, device=cpu, repeats=1)
+    assert draws["positions"] * draws["vocab"] <= 2**26 < (draws["positions"] + 1) * draws["vocab"]
+    assert draws["same_id_fraction"] >= 0.98 and draws["top1_hits_equal"] is True
     assert attention["sdpa_dense_bias_kernels"] == ["aten::_scaled_dot_product_attention_math"]
 
 
