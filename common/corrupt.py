@@ -178,7 +178,7 @@ class Corruptor:
             rows = F.pad(rows, (0, 0, 0, self.chunk_rows - count))
         with self.autocast or contextlib.nullcontext():
             logits = self._head(rows)
-        if compiled:  # the top-1 hits in the same graph: the pass for the mode reads the logits anyway
+        if compiled:  # the top-1 hits in the same graph: its pass for the maxima reads the logits anyway
             t, u, o = temperatures[part], uniforms[part], originals[part]
             if short:
                 pad = (0, self.chunk_rows - count)
