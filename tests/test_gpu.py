@@ -27,9 +27,9 @@ def test_gpu_corruptor_keeps_the_label_rule_and_matches_cpu_masking(built):
 
 
 def test_gpu_aux_logits_are_those_of_a_mask_and_of_autocasts_own_weight_cast(built):
-    """The two changes of session 25 that no GPU has run yet, each of which must leave a GPU shard's bytes as
-    they were (else a new generation key): a batch without padding given no mask (one attention bias, not one
-    per row) and the head's weight cast to bf16 once, against autocast casting it at every call."""
+    """Two changes to the aux forward, each of which must leave a GPU shard's bytes as they were (else a new
+    generation key): a batch without padding given no mask (one attention bias, not one per row) and the head's
+    weight cast to bf16 once, against autocast casting it at every call (both held on an H200, session 26)."""
     from common.batching import attention_mask
     from common.corrupt import head_weight
     rows = [r for r in load_split(built.corpus_dir, "train") if len(r) == 32][:8]
