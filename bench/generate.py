@@ -95,7 +95,7 @@ def worker_scaling(config, corpus_dir: Path, aux_path: Path, rows_per_epoch: int
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / PLAN_FILE).write_text("{}\n")  # what each actor looks for to know it sees the folder
             t0 = time.perf_counter()
-            records = run_tasks(tasks, workers, {**args, "out_dir": tmp}, Path(tmp))
+            records = run_tasks(tasks, workers, {**args, "out_dir": tmp}, Path(tmp), seq_len=meta["max_seq_len"])
             seconds = time.perf_counter() - t0
         tokens = sum(r["tokens"] for r in records)
         out[f"workers_{workers}_tokens_per_s"] = tokens / seconds

@@ -23,6 +23,10 @@ In one run:
   decide_rss_8x_vs_1x       peak RSS of the corpus driver's decision (exact duplicates, the held-out split) over
                             32M documents' hashes against 4M, a tenth of them copies (target <= 1.2); beside
                             it the same for every hash at once, the way before 2026-11-25
+  generation_preflight_max_error  a CPU generation actor's estimated peak (`common.memory.generation_need`)
+                            against the rise of its RSS over one shard, five shapes (two at base width and
+                            vocabulary, one of them with rows of mixed lengths): the largest relative error
+                            (target <= 0.25)
 Writes bench/results/scale.json and scale.md.
 """
 from __future__ import annotations
@@ -83,6 +87,62 @@ def preflight_error() -> dict:
     for r in shapes:
         r["estimate_over_measured"] = r["estimate_bytes"] / r["peak_rss_bytes"]
     return {"preflight_max_error": max(abs(r["estimate_over_measured"] - 1) for r in shapes), "preflight_shapes": shapes}
+
+
+# (layers, width, heads, vocabulary, row length, batch tokens, rows per shard, rows of mixed lengths): a CPU
+# generation actor's shapes, one at the base preset's width and vocabulary
+GENERATION_SHAPES = [(4, 768, 12, 128000, 512, 32768, 128, False), (4, 768, 12, 128000, 512, 32768, 128, True),
+                     (2, 256, 4, 8000, 512, 65536, 512, False), (2, 128, 4, 32000, 128, 32768, 2048, False),
+                     (2, 128, 4, 8000, 128, 65536, 2048, False)]
+
+
+def generation_probe(layers: int, width: int, heads: int, vocab: int, seq_len: int, batch_tokens: int,
+                     rows_per_shard: int, ragged: bool) -> dict:
+    """One CPU generation actor's shard (generate/worker.py's ShardWriter over a random aux model and random
+    rows): how far its RSS rose above what it held once loaded, against `common.memory.generation_need`."""
+    from bench.gpu import synthetic_rows
+    from common.checkpoint import save_aux
+    from common.config import GenerateConfig, ModelConfig
+    from common.corrupt import Corruptor
+    from common.memory import aux_shape, generation_need, peak_rss_bytes
+    from common.model import MaskedLM
+    from common.plan import plan_tasks
+    from generate.worker import ShardWriter
+    import torch
+    torch.set_num_threads(1)  # the actor's threads_per_worker
+    cfg = ModelConfig(hidden_size=width, num_layers=layers, num_heads=heads, ffn_size=4 * width)
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        torch.manual_seed(0)
+        path = save_aux(MaskedLM(cfg, vocab, layers), cfg, layers, vocab, "synthetic", tmp, {"steps": 0})
+        corruptor = Corruptor(path, 1, 0.15, batch_tokens)
+        rows = synthetic_rows(rows_per_shard, seq_len, vocab, seed=1)
+        if ragged:  # lengths from half the row to all of it: padded batches, each with its attention mask
+            lengths = np.random.default_rng(2).integers(seq_len // 2, seq_len + 1, len(rows))
+            rows = [r[:n] for r, n in zip(rows, lengths)]
+        task = plan_tasks(len(rows), 0, GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0), 1)[0]
+        writer = ShardWriter({"train": rows}, corruptor, tmp, 15)
+        loaded = _proc_status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here on
+        writer(task)
+        peak = peak_rss_bytes()
+    need, _ = generation_need(aux_shape(corruptor.model, vocab), batch_tokens, seq_len, rows_per_shard * seq_len, 1,
+                              0.15)
+    return {"layers": layers, "width": width, "vocab": vocab, "seq_len": seq_len, "batch_tokens": batch_tokens,
+            "rows_per_shard": rows_per_shard, "ragged": ragged, "loaded_bytes": loaded,
+            "measured_bytes": peak - loaded, "estimate_bytes": need, "estimate_over_measured": need / (peak - loaded)}
+
+
+def _proc_status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def generation_preflight_error() -> dict:
+    shapes = [run_probe("generation", *shape) for shape in GENERATION_SHAPES]
+    return {"generation_preflight_max_error": max(abs(r["estimate_over_measured"] - 1) for r in shapes),
+            "generation_preflight_shapes": shapes}
 
 
 def write_shard_folder(out: Path, shards: int, rows_per_shard: int, row_group: int, seq_len: int = 512,
@@ -283,22 +343,24 @@ def decide_memory(tmp: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--parts", default="driver,read,start,corpus,decide,preflight",
+    parser.add_argument("--parts", default="driver,read,start,corpus,decide,preflight,generation",
                         help="which figures to measure (the others are kept from the last scale.json)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         kind, *rest = json.loads(args.probe)
-        print(json.dumps({"plan": plan_probe, "read": read_probe, "decide": decide_probe}[kind](*rest)))
+        print(json.dumps({"plan": plan_probe, "read": read_probe, "decide": decide_probe,
+                          "generation": generation_probe}[kind](*rest)))
         return 0
     out = Path(args.out)
     parts = set(args.parts.split(","))
-    result = json.loads((out / "scale.json").read_text()) if parts != {"driver", "read", "start", "corpus",
-                                                                         "decide", "preflight"} else {}
+    result = json.loads((out / "scale.json").read_text()) if parts != {"driver", "read", "start", "corpus", "decide",
+                                                                         "preflight", "generation"} else {}
     result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.python_version()}"})
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for name, measure in (("driver", driver_memory), ("read", rank_reading), ("start", start_time),
-                              ("corpus", corpus_memory), ("decide", decide_memory), ("preflight", preflight_error)):
+                              ("corpus", corpus_memory), ("decide", decide_memory), ("preflight", preflight_error),
+                              ("generation", generation_preflight_error)):
             if name in parts:
                 result.update(measure(Path(tmp)) if name in ("read", "start", "corpus", "decide") else measure())
     atomic_write_json(out / "scale.json", result)
@@ -311,6 +373,8 @@ def main(argv=None) -> int:
           f"{result['plan_small']['tasks']} tasks) | <= 1.2 |",
           f"| pre-flight estimate vs measured peak, largest error (`preflight_max_error`) | "
           f"{result['preflight_max_error']:.3f} | <= 0.25 |",
+          f"| generation actor's pre-flight estimate vs its measured peak, CPU, largest error "
+          f"(`generation_preflight_max_error`) | {result['generation_preflight_max_error']:.3f} | <= 0.25 |",
           f"| bytes read / decompressed per rank over the stream's, 2 ranks (`rank_read_fraction`) | "
           f"{result['rank_read_fraction']:.3f} | <= 0.55 |",
           f"| seconds to the first step, 4x shards / 1x (`start_4x_vs_1x`) | {result['start_4x_vs_1x']:.3f} "
@@ -331,6 +395,12 @@ def main(argv=None) -> int:
     md += [f"- {r['objective']}, {r['layers']} x {r['hidden']}, {r['vocab']}, {r['seq_len']}, {r['batch']} / {r['micro']}: "
            f"{r['estimate_bytes'] / 2**20:.0f} / {r['peak_rss_bytes'] / 2**20:.0f} MB ({r['estimate_over_measured']:.3f})"
            for r in result["preflight_shapes"]]
+    md += ["", "Generation actor shapes (layers x width, vocabulary, row length, batch tokens, rows per shard: "
+           "estimate / measured rise over the loaded actor):", ""]
+    md += [f"- {r['layers']} x {r['width']}, {r['vocab']}, {r['seq_len']}{' (mixed lengths)' if r['ragged'] else ''}, "
+           f"{r['batch_tokens']}, {r['rows_per_shard']}: {r['estimate_bytes'] / 2**20:.0f} / "
+           f"{r['measured_bytes'] / 2**20:.0f} MB ({r['estimate_over_measured']:.3f})"
+           for r in result["generation_preflight_shapes"]]
     md += ["", f"Reading: {result['read_layout']}; per rank "
            + "; ".join(f"rchar {r['rchar'] / 2**20:.2f} MB, chunks {r['bytes_read'] / 2**20:.2f} MB, decompressed "
                        f"{r['bytes_decompressed'] / 2**20:.2f} MB" for r in result["read_ranks"])

@@ -15,9 +15,11 @@ nothing is allocated):
   - the process itself (interpreter, torch, the data reader): RUNTIME_BYTES.
 The coefficients were fitted to measured peaks on CPU (docs/benchmarks.md, the pre-flight estimate);
 on a GPU the same counts are taken at 2 bytes per bf16 value, not yet checked against a measurement.
+The generator's actors have an estimate of their own (`generation_need`, below).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -98,13 +100,20 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
         # their validation rows on the GPU before the check) are the device's to give: free for this run
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return float(free + cached), f"free memory of {torch.cuda.get_device_name(device)}"
+    available, source = host_available_bytes()
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks_here > 1:
+        return available / ranks_here, f"{source} / {ranks_here} ranks on this machine"
+    return available, source
+
+
+def host_available_bytes() -> tuple[float, str]:
+    """(bytes of RAM this machine can still give, where the number comes from): the smaller of MemAvailable
+    and the memory cgroup's limit less its usage."""
     available, source = _meminfo_available(), "available RAM (MemAvailable)"
     limit = _cgroup_room()
     if limit is not None and limit < available:
         available, source = limit, "the memory cgroup's room"
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if ranks_here > 1:
-        return available / ranks_here, f"{source} / {ranks_here} ranks on this machine"
     return available, source
 
 
@@ -159,6 +168,57 @@ def preflight(config: RunConfig, vocab_size: int, micro: int, device: torch.devi
                           f"{need / 2**30:.2f} GiB by the pre-flight estimate ({params / 1e6:.1f}M parameters), "
                           f"but {source} is {have / 2**30:.2f} GiB; {advice}")
     return need
+
+
+# --- generation actors -----------------------------------------------------------------------------------
+# What one generation actor holds at its peak beyond what it holds once its aux model is loaded, per unit of
+# work: fitted to the peak RSS of CPU actors writing a shard (22 shapes, 2 x 128 to 4 x 768 wide, vocabularies
+# of 8K-128K, batches of 8K-64K tokens, shards of 64K-4M tokens; docs/benchmarks.md, bench-scale). On a GPU the
+# aux forward and the sampler count the same values at 2 bytes (bf16 under autocast) instead of 4.
+GEN_FIXED = 150 * 2**20
+GEN_PER_LOGIT = 11.0        # per (position, id) of a sampling chunk: its logits and the sampler's kept arrays
+GEN_PER_FFN = 8.0           # per token x feed-forward unit of a batch through the aux encoder
+GEN_PER_HIDDEN = 20.0       # per token x hidden unit of that batch
+GEN_PER_SCORE = 0.3         # per token x head x key position of that batch
+GEN_PER_SHARD_TOKEN = 30.0  # per token of a shard in flight, on the host: its rows, masking, labels, Parquet
+GEN_DEVICE_SHARD_TOKEN = 9.0  # per token of a shard in flight, on a GPU: its masked ids (int64) and flags
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxShape:
+    hidden: int
+    ffn: int
+    heads: int
+    vocab: int
+
+    def __str__(self) -> str:
+        return f"{self.hidden} wide, {self.ffn} feed-forward, {self.vocab:,} ids"
+
+
+def aux_shape(model, vocab_size: int) -> AuxShape:
+    """The widths the generation estimate needs, of our aux model or a Hugging Face one (`common.hf`)."""
+    config = getattr(getattr(model, "model", None), "config", None)
+    if config is not None:
+        return AuxShape(config.hidden_size, config.intermediate_size, config.num_attention_heads, vocab_size)
+    layer = model.encoder.layers[0]
+    return AuxShape(layer.qkv.in_features, layer.ffn_in.out_features, layer.num_heads, vocab_size)
+
+
+def generation_need(shape: AuxShape, batch_tokens: int, seq_len: int, shard_tokens: int, in_flight: int,
+                    mask_prob: float, chunk_entries: int = LOGIT_CHUNK_ENTRIES, gpu: bool = False) -> tuple[float, float]:
+    """(host bytes, GPU bytes) one generation actor needs at its peak beyond what it holds once its aux model
+    is loaded: one batch of `batch_tokens` through the aux encoder (a batch holds one row at least), one chunk of
+    sampling (its masked positions x the vocabulary, `common.corrupt.Corruptor.sample`; a GPU's compiled draw
+    always takes a whole chunk), and `in_flight` shards of `shard_tokens` being masked, labelled and written."""
+    tokens = max(batch_tokens, seq_len)
+    chunk_rows = max(1, chunk_entries // shape.vocab)
+    positions = chunk_rows if gpu else min(chunk_rows, max(1, round(mask_prob * tokens)))
+    model = (GEN_PER_FFN * tokens * shape.ffn + GEN_PER_HIDDEN * tokens * shape.hidden
+             + GEN_PER_SCORE * tokens * shape.heads * seq_len + GEN_PER_LOGIT * positions * shape.vocab)
+    host = GEN_FIXED + GEN_PER_SHARD_TOKEN * shard_tokens * in_flight
+    if gpu:
+        return host, model / 2 + GEN_DEVICE_SHARD_TOKEN * shard_tokens * in_flight
+    return host + model, 0.0
 
 
 def peak_rss_bytes() -> int:

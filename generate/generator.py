@@ -249,7 +249,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
                   "curriculum": {"distribution": config.generate.distribution, "augmentation": config.generate.augmentation,
                                  "soh_alpha": config.generate.soh_alpha}}
     records = run_tasks(todo, workers, actor_args, out_dir, address, config.generate.tasks_in_flight,
-                        config.generate.actors_per_gpu) if todo else []
+                        config.generate.actors_per_gpu, corpus["max_seq_len"]) if todo else []
     seconds = time.time() - t0
     all_records = list(done.values()) + records
     # a shard written by this run was hashed as it was written (its record): stamp it now

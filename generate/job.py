@@ -20,6 +20,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from common.config import ConfigError
 from common.io import DiskFull, append_record, file_stamp, read_records
 from common.corpus import CORPUS_META
 from common.parallel import NodeProblem, start_ray as common_start_ray
@@ -29,6 +30,7 @@ from common.storage import location
 # Fault injection for tests (real process deaths, not mocks):
 FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # path of a marker file; the first task's process dies
 SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard, to kill a run halfway
+MEMORY_ENV = "FAST_ELECTRA_MEMORY_BYTES"  # bytes free on every machine and GPU, in place of what they say (tests)
 
 
 @ray.remote
@@ -65,6 +67,28 @@ class ShardActor:
         self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level, row_group_rows)
         self.device, self.device_model = device, device_model(device)
         self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time
+
+    def ready(self) -> None:
+        """Returns once the actor is up (its aux model loaded, or its problem known)."""
+
+    def memory(self, shard_rows: int, seq_len: int, in_flight: int) -> dict | None:
+        """What this actor will need at its peak beyond what it holds now (`common.memory.generation_need`),
+        and what its machine and its GPU have free now that every actor has loaded its aux model; None where
+        the actor cannot work (its first task says why)."""
+        if self.problem:
+            return None
+        from common.memory import aux_shape, generation_need, host_available_bytes
+        corruptor = self.writer.corruptor
+        shape = aux_shape(corruptor.model, corruptor.vocab_size)
+        host, device = generation_need(shape, corruptor.batch_tokens, seq_len, shard_rows * seq_len, in_flight,
+                                       corruptor.mask_prob, corruptor.chunk_entries, self.device == "cuda")
+        free, source = host_available_bytes()
+        report = {"host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(), "shape": str(shape),
+                  "host_need": host, "host_free": free, "host_source": source, "gpu": None, "device_need": device}
+        if self.device == "cuda":
+            report.update(gpu=str(ray.get_gpu_ids()[0]), device_free=float(torch.cuda.mem_get_info()[0]),
+                          device_source=f"free memory of {torch.cuda.get_device_name()}")
+        return report
 
     def run(self, task: ShardTask) -> dict:
         if self.problem:
@@ -140,19 +164,61 @@ def actor_plan(workers: int, gpus: int, tasks_in_flight: int = 0, actors_per_gpu
     return min(workers, gpus) * actors_per_gpu, options
 
 
+def memory_problem(reports: list[dict], batch_tokens: int, actors_per_gpu: int, override: str | None = None) -> str | None:
+    """Why the actors would run out of memory, if they would (DESIGN.md, scale: a pre-flight check refuses what
+    cannot fit the device): the needs of the actors of each GPU, then of each machine, against what it has free,
+    from the actors' `memory` reports. `override`: bytes free on every machine and GPU (MEMORY_ENV)."""
+    groups = {}
+    for r in reports:
+        if r["gpu"] is not None:
+            groups.setdefault(("device", r["node"], r["gpu"]), []).append(r)
+    for r in reports:
+        groups.setdefault(("host", r["node"], None), []).append(r)
+    for (kind, _, gpu), group in groups.items():
+        need, each = sum(r[f"{kind}_need"] for r in group), max(r[f"{kind}_need"] for r in group)
+        have, source = (float(override), MEMORY_ENV) if override else min(
+            (r[f"{kind}_free"], r[f"{kind}_source"]) for r in group)
+        if need <= have:
+            continue
+        fit = int(have // each)
+        if not fit:
+            advice = "one actor does not fit: lower [generate] batch_tokens or rows_per_shard"
+        elif kind == "device":
+            advice = f"set [generate] actors_per_gpu = {fit} (now {actors_per_gpu}), or lower [generate] batch_tokens"
+        elif group[0]["gpu"] is None:
+            advice = f"run {fit} there (--workers {fit}; make's WORKERS={fit}), or lower [generate] batch_tokens"
+        else:
+            advice = (f"{fit} fit: lower [generate] actors_per_gpu (now {actors_per_gpu}), rows_per_shard or "
+                      f"tasks_in_flight")
+        where = f"on GPU {gpu} of {group[0]['host']}" if kind == "device" else f"on {group[0]['host']}"
+        return (f"{len(group)} generation actor(s) {where} would need about {need / 2**30:.2f} GiB more at their peak "
+                f"({each / 2**30:.2f} GiB each: batches of {batch_tokens:,} tokens through an aux model "
+                f"{group[0]['shape']}, and the shards in flight), but {source} is {have / 2**30:.2f} GiB; {advice}")
+    return None
+
+
 def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None,
-              tasks_in_flight: int = 0, actors_per_gpu: int = 1) -> list[dict]:
-    """Run `tasks` on the actors of `actor_plan` for `workers` devices; returns their records in completion
-    order."""
+              tasks_in_flight: int = 0, actors_per_gpu: int = 1, seq_len: int = 512) -> list[dict]:
+    """Run `tasks` on the actors of `actor_plan` for `workers` devices, once their memory check passed (rows of
+    `seq_len` tokens at most); returns their records in completion order."""
     start_ray(address, workers)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     count, options = actor_plan(workers, gpus, tasks_in_flight, actors_per_gpu)
     depth = options["max_concurrency"]
     actors = [ShardActor.options(**options).remote(**actor_args) for _ in range(count)]
     queue, pending, records = deque(tasks), {}, []
-    tokens, t0 = 0, time.time()
-    bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)
+    bar = None
     try:
+        # before any shard: what the actors will need at their peak against what each machine and GPU has free
+        # once every actor holds its aux model
+        ray.get([a.ready.remote() for a in actors])
+        reports = ray.get([a.memory.remote(max((t.count for t in tasks), default=0), seq_len, depth) for a in actors])
+        problem = memory_problem([r for r in reports if r], actor_args["batch_tokens"], actors_per_gpu,
+                                 os.environ.get(MEMORY_ENV))
+        if problem:
+            raise ConfigError(problem)
+        tokens, t0 = 0, time.time()
+        bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)
         # one slot per task in flight, taken in turn: the first tasks (the validation shard, epoch 0's first
         # shards: the trainer's first steps) go one to each device, not two to one while others wait
         idle = deque(actor for _ in range(depth) for actor in actors)
@@ -180,7 +246,8 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}", device=record["device"])
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         for actor in actors:
             ray.kill(actor)
     return records
