@@ -99,21 +99,23 @@ def test_a_rank_without_a_gpu_of_its_own_stops_with_a_clear_error(monkeypatch):
 
 def _restore_on_rank(rank, tmp_path, results):
     """Rank `rank` of two gloo ranks: restores from the shared folder, then with rank 1 looking elsewhere."""
+    import os
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=rank, world_size=2)
-    try:
-        config = tiny_config(tmp_path)
-        for case, folders in (("shared", ("ckpt", "ckpt")), ("node-local", ("ckpt", "node-local"))):
-            model, optimizer, scheduler = _parts(config)
-            try:
-                found = state.restore(tmp_path / folders[rank], model, optimizer, scheduler, config, "data-key",
-                                      "DATA", rank, 2, torch.device("cpu"))
-                results[(case, rank)] = f"step {found[1].step}"
-            except IncompatibleInputs as e:
-                results[(case, rank)] = str(e)
-        dist.barrier()  # neither tears its gloo pairs down while the other still uses them (an abort under load)
-    finally:
-        dist.destroy_process_group()
+    config = tiny_config(tmp_path)
+    for case, folders in (("shared", ("ckpt", "ckpt")), ("node-local", ("ckpt", "node-local"))):
+        model, optimizer, scheduler = _parts(config)
+        try:
+            found = state.restore(tmp_path / folders[rank], model, optimizer, scheduler, config, "data-key",
+                                  "DATA", rank, 2, torch.device("cpu"))
+            results[(case, rank)] = f"step {found[1].step}"
+        except IncompatibleInputs as e:
+            results[(case, rank)] = str(e)
+    dist.barrier()
+    # The group is never torn down, as a trainer's rank ends (train/__main__.py, `leave`): with a barrier before
+    # it, gloo's teardown still aborted a rank under load ("terminate called without an active exception",
+    # session 27's `make test`). An error above ends the process as any exception does.
+    os._exit(0)
 
 
 def test_every_rank_resumes_from_the_same_checkpoint_or_none_does(tmp_path):
