@@ -196,10 +196,10 @@ class GenerateConfig:
     """Shards in flight per actor: 0 = 2 on a GPU actor (the next shard's masking and aux forward run
     while the last one is written), 1 on a CPU actor (one core: nothing to overlap). Bytes never change."""
     actors_per_gpu: int = 1
-    """GPU actors sharing each GPU, each a process with its own aux model and generation memory (6.8 GiB at the
-    base shape, measured on an H200; the generator checks before any shard that they fit): one actor's host side
-    bounds what it gives its GPU. On an H200 at base, 4 gave 1.2x the tokens/s of 1 (docs/benchmarks.md).
-    Bytes never change."""
+    """GPU actors sharing each GPU, each a process with its own aux model and generation memory (about 10 GiB
+    at the base preset; the generator checks before any shard that they fit): one actor's host side bounds what
+    it gives its GPU. On an H200 at base, 4 gave 1.2x the tokens/s of 1 (docs/benchmarks.md). Bytes never
+    change."""
     distribution: str = "aux"
     """Replaced-token distribution (paper section 5.1): 'aux' (the aux model, made easier by `augmentation`)
     or, with no aux model, 'uniform', 'term_frequency', 'smoothed_one_hot', 'uniform_to_soh', 'tf_to_soh'."""

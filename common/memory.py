@@ -172,16 +172,23 @@ def preflight(config: RunConfig, vocab_size: int, micro: int, device: torch.devi
 
 # --- generation actors -----------------------------------------------------------------------------------
 # What one generation actor holds at its peak beyond what it holds once its aux model is loaded, per unit of
-# work: fitted to the peak RSS of CPU actors writing a shard (22 shapes, 2 x 128 to 4 x 768 wide, vocabularies
-# of 8K-128K, batches of 8K-64K tokens, shards of 64K-4M tokens; docs/benchmarks.md, bench-scale). On a GPU the
-# aux forward and the sampler count the same values at 2 bytes (bf16 under autocast) instead of 4.
+# work: fitted to the peak RSS of CPU actors writing a shard (22 shapes of full rows, 2 x 128 to 4 x 768 wide,
+# vocabularies of 8K-128K, batches of 8K-64K tokens, shards of 64K-4M tokens), then the padded batches' own
+# term measured apart (docs/benchmarks.md, bench-scale). On a GPU the aux forward and the sampler count the
+# same values at 2 bytes (bf16 under autocast) instead of 4.
 GEN_FIXED = 150 * 2**20
 GEN_PER_LOGIT = 11.0        # per (position, id) of a sampling chunk: its logits and the sampler's kept arrays
 GEN_PER_FFN = 8.0           # per token x feed-forward unit of a batch through the aux encoder
 GEN_PER_HIDDEN = 20.0       # per token x hidden unit of that batch
 GEN_PER_SCORE = 0.3         # per token x head x key position of that batch
+# A batch with a padded row has an attention bias per row, (rows, heads, L, L): a corpus's short rows (each
+# document's last) make such batches of nearly full length, so a shard's peak has one.
+GEN_PER_PADDED_SCORE = 4.0
 GEN_PER_SHARD_TOKEN = 30.0  # per token of a shard in flight, on the host: its rows, masking, labels, Parquet
 GEN_DEVICE_SHARD_TOKEN = 9.0  # per token of a shard in flight, on a GPU: its masked ids (int64) and flags
+# The share of free memory the actors may plan to fill: Ray's memory monitor kills workers at 95% of a node's
+# memory, and a GPU's caching allocator holds more than its tensors.
+GEN_HEADROOM = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,29 +199,36 @@ class AuxShape:
     vocab: int
 
     def __str__(self) -> str:
-        return f"{self.hidden} wide, {self.ffn} feed-forward, {self.vocab:,} ids"
+        return f"{self.hidden} wide, {self.ffn} feed-forward, {self.heads} heads, {self.vocab:,} ids"
 
 
 def aux_shape(model, vocab_size: int) -> AuxShape:
-    """The widths the generation estimate needs, of our aux model or a Hugging Face one (`common.hf`)."""
+    """The widths the generation estimate needs, of our aux model or a Hugging Face one (`common.hf`; a family
+    without a feed-forward width in its config, e.g. DistilBERT's `hidden_dim`, falls back through its names,
+    then to 4 x the width)."""
     config = getattr(getattr(model, "model", None), "config", None)
-    if config is not None:
-        return AuxShape(config.hidden_size, config.intermediate_size, config.num_attention_heads, vocab_size)
-    layer = model.encoder.layers[0]
-    return AuxShape(layer.qkv.in_features, layer.ffn_in.out_features, layer.num_heads, vocab_size)
+    if config is None:
+        layer = model.encoder.layers[0]
+        return AuxShape(layer.qkv.in_features, layer.ffn_in.out_features, layer.num_heads, vocab_size)
+    first = lambda *names: next((getattr(config, n) for n in names if getattr(config, n, None)), None)
+    hidden = first("hidden_size", "dim", "d_model", "n_embd")
+    return AuxShape(hidden, first("intermediate_size", "hidden_dim", "d_ff", "n_inner") or 4 * hidden,
+                    first("num_attention_heads", "n_heads", "n_head") or max(1, hidden // 64), vocab_size)
 
 
 def generation_need(shape: AuxShape, batch_tokens: int, seq_len: int, shard_tokens: int, in_flight: int,
                     mask_prob: float, chunk_entries: int = LOGIT_CHUNK_ENTRIES, gpu: bool = False) -> tuple[float, float]:
     """(host bytes, GPU bytes) one generation actor needs at its peak beyond what it holds once its aux model
-    is loaded: one batch of `batch_tokens` through the aux encoder (a batch holds one row at least), one chunk of
-    sampling (its masked positions x the vocabulary, `common.corrupt.Corruptor.sample`; a GPU's compiled draw
-    always takes a whole chunk), and `in_flight` shards of `shard_tokens` being masked, labelled and written."""
-    tokens = max(batch_tokens, seq_len)
+    is loaded: one batch of `batch_tokens` through the aux encoder (one row at least, a shard at most; its rows
+    padded, as a corpus's short rows make some), one chunk of sampling (its masked positions x the
+    vocabulary, `common.corrupt.Corruptor.sample`; a GPU's compiled draw always takes a whole chunk), and
+    `in_flight` shards of `shard_tokens` being masked, labelled and written."""
+    tokens = max(min(batch_tokens, shard_tokens), seq_len)
     chunk_rows = max(1, chunk_entries // shape.vocab)
     positions = chunk_rows if gpu else min(chunk_rows, max(1, round(mask_prob * tokens)))
     model = (GEN_PER_FFN * tokens * shape.ffn + GEN_PER_HIDDEN * tokens * shape.hidden
-             + GEN_PER_SCORE * tokens * shape.heads * seq_len + GEN_PER_LOGIT * positions * shape.vocab)
+             + (GEN_PER_SCORE + GEN_PER_PADDED_SCORE) * tokens * shape.heads * seq_len
+             + GEN_PER_LOGIT * positions * shape.vocab)
     host = GEN_FIXED + GEN_PER_SHARD_TOKEN * shard_tokens * in_flight
     if gpu:
         return host, model / 2 + GEN_DEVICE_SHARD_TOKEN * shard_tokens * in_flight

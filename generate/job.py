@@ -166,35 +166,47 @@ def actor_plan(workers: int, gpus: int, tasks_in_flight: int = 0, actors_per_gpu
 
 def memory_problem(reports: list[dict], batch_tokens: int, actors_per_gpu: int, override: str | None = None) -> str | None:
     """Why the actors would run out of memory, if they would (DESIGN.md, scale: a pre-flight check refuses what
-    cannot fit the device): the needs of the actors of each GPU, then of each machine, against what it has free,
-    from the actors' `memory` reports. `override`: bytes free on every machine and GPU (MEMORY_ENV)."""
+    cannot fit the device): the needs of the actors of each GPU, then of each machine, against GEN_HEADROOM of
+    what it has free, from the actors' `memory` reports. `override`: bytes free on every machine and GPU
+    (MEMORY_ENV). The advice names settings that keep the shards' bytes first (`--workers`, `actors_per_gpu`,
+    `tasks_in_flight`); `batch_tokens` and `rows_per_shard` make another generation."""
+    from common.memory import GEN_HEADROOM
     groups = {}
     for r in reports:
         if r["gpu"] is not None:
             groups.setdefault(("device", r["node"], r["gpu"]), []).append(r)
     for r in reports:
         groups.setdefault(("host", r["node"], None), []).append(r)
-    for (kind, _, gpu), group in groups.items():
+    for (kind, node, gpu), group in groups.items():
         need, each = sum(r[f"{kind}_need"] for r in group), max(r[f"{kind}_need"] for r in group)
         have, source = (float(override), MEMORY_ENV) if override else min(
             (r[f"{kind}_free"], r[f"{kind}_source"]) for r in group)
-        if need <= have:
+        if need <= GEN_HEADROOM * have:
             continue
-        fit = int(have // each)
+        fit = int(GEN_HEADROOM * have // each)
+        gpus_here = len({r["gpu"] for r in group})
         if not fit:
-            advice = "one actor does not fit: lower [generate] batch_tokens or rows_per_shard"
+            advice = ("one actor does not fit: lower [generate] batch_tokens (or rows_per_shard; either makes "
+                      "another generation of the shards)")
         elif kind == "device":
-            advice = f"set [generate] actors_per_gpu = {fit} (now {actors_per_gpu}), or lower [generate] batch_tokens"
+            advice = f"set [generate] actors_per_gpu = {fit} (now {actors_per_gpu})"
         elif group[0]["gpu"] is None:
-            advice = f"run {fit} there (--workers {fit}; make's WORKERS={fit}), or lower [generate] batch_tokens"
+            advice = (f"{fit} fit there: lower --workers (make's WORKERS=; it counts the cluster's actors, "
+                      f"{len(reports)} now)")
+        elif fit >= gpus_here:
+            advice = f"{fit} fit there: set [generate] actors_per_gpu = {fit // gpus_here} (now {actors_per_gpu})"
         else:
-            advice = (f"{fit} fit: lower [generate] actors_per_gpu (now {actors_per_gpu}), rows_per_shard or "
-                      f"tasks_in_flight")
+            advice = f"{fit} fit there: set [generate] tasks_in_flight = 1, or lower --workers"
         where = f"on GPU {gpu} of {group[0]['host']}" if kind == "device" else f"on {group[0]['host']}"
-        return (f"{len(group)} generation actor(s) {where} would need about {need / 2**30:.2f} GiB more at their peak "
-                f"({each / 2**30:.2f} GiB each: batches of {batch_tokens:,} tokens through an aux model "
-                f"{group[0]['shape']}, and the shards in flight), but {source} is {have / 2**30:.2f} GiB; {advice}")
+        return (f"{len(group)} generation actor(s) {where} would need about {_size(need)} more at their peak "
+                f"({_size(each)} each: batches of {batch_tokens:,} tokens through an aux model {group[0]['shape']}, "
+                f"and the shards in flight), but {source} is {_size(have)} (the actors may plan on "
+                f"{GEN_HEADROOM:.0%} of it); {advice}")
     return None
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: Path, address: str | None = None,
@@ -205,6 +217,7 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
     gpus = int(ray.cluster_resources().get("GPU", 0))
     count, options = actor_plan(workers, gpus, tasks_in_flight, actors_per_gpu)
     depth = options["max_concurrency"]
+    count = min(count, len(tasks))  # a resumed run with a few shards left: no actor without one
     actors = [ShardActor.options(**options).remote(**actor_args) for _ in range(count)]
     queue, pending, records = deque(tasks), {}, []
     bar = None
@@ -212,7 +225,9 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
         # before any shard: what the actors will need at their peak against what each machine and GPU has free
         # once every actor holds its aux model
         ray.get([a.ready.remote() for a in actors])
-        reports = ray.get([a.memory.remote(max((t.count for t in tasks), default=0), seq_len, depth) for a in actors])
+        in_flight = min(depth, -(-len(tasks) // max(count, 1)))  # the shards an actor can hold at once here
+        reports = ray.get([a.memory.remote(max((t.count for t in tasks), default=0), seq_len, in_flight)
+                           for a in actors])
         problem = memory_problem([r for r in reports if r], actor_args["batch_tokens"], actors_per_gpu,
                                  os.environ.get(MEMORY_ENV))
         if problem:
