@@ -162,12 +162,11 @@ bench-scale: setup
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md
 
-# Three test processes (pytest-xdist) on 2 cores: most slow tests wait on subprocess and Ray start-up, so with
-# one torch thread each a third fills the cores' idle time (docs/benchmarks.md, the test suite).
-# TEST_WORKERS=0 runs them in this process, one by one.
-# One torch thread per process (TEST_THREADS): test processes each starting trainers and actors with a
-# thread per core would run several times as many threads as cores, and idle OpenMP threads spin.
-TEST_WORKERS ?= 3
+# Two test processes (pytest-xdist): most slow tests wait on subprocess and Ray start-up, so two at a time
+# take ~8 min on 2 cores instead of ~12-13. TEST_WORKERS=0 runs them in this process, one by one.
+# One torch thread per process (TEST_THREADS): two test processes, each starting trainers and actors with a
+# thread per core, would run twice as many threads as cores, and idle OpenMP threads spin.
+TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
 test: setup
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
