@@ -326,10 +326,16 @@ class TrainConfig:
     compile: str = "auto"
     """The model's forward and backward under torch.compile: "on", "off", or "auto" = on where it measured
     faster (a GPU), off on CPU (docs/benchmarks.md, "torch.compile")."""
+    attention: str = "auto"
+    """The attention with the learned relative-position bias in training: "auto" = common/attention.py's fused
+    kernel on a GPU where Triton is installed (measured faster there: docs/benchmarks.md), SDPA elsewhere;
+    "sdpa" = torch's scaled_dot_product_attention everywhere."""
 
     def __post_init__(self):
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f"train.compile must be 'auto', 'on' or 'off', got {self.compile!r}")
+        if self.attention not in ("auto", "sdpa"):
+            raise ConfigError(f"train.attention must be 'auto' or 'sdpa', got {self.attention!r}")
         for key in ("lr", "eps", "rel_bias_lr_scale", "embed_lr_scale"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) > 0):
                 raise ConfigError(f"train.{key} must be a finite number > 0, got {getattr(self, key)}")

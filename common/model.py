@@ -104,6 +104,9 @@ class EncoderLayer(nn.Module):
         self.ffn_in = nn.Linear(cfg.hidden_size, cfg.ffn_size)
         self.ffn_out = nn.Linear(cfg.ffn_size, cfg.hidden_size)
         self.ln_ffn = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
+        # A fused attention for (q, k, v, bias, dropout_p), returning None where it does not apply; set on a GPU by
+        # common.attention.use_fused (kept out of this file, which imports torch alone: see the module docstring)
+        self.fused_attention = None
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor, drop=None) -> torch.Tensor:
         """`drop`: dropout of another kind than this layer's own (per row, `common.augment.RowDropout`), with
@@ -113,10 +116,13 @@ class EncoderLayer(nn.Module):
         qkv = self.qkv(self.ln_attn(x))
         q, k, v = qkv.view(batch, length, 3, self.num_heads, width // self.num_heads).permute(2, 0, 3, 1, 4)
         p = self.dropout if self.training and drop is None else 0.0
+        attn = None
         if drop is not None and drop.attention is not None:  # dropout on the probabilities, as dropout_p does
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + attn_bias
             attn = drop.attention(torch.softmax(scores, dim=-1)) @ v
-        else:
+        elif self.fused_attention is not None:
+            attn = self.fused_attention(q, k, v, attn_bias, p)
+        if attn is None:
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=p)
         attn = attn.transpose(1, 2).reshape(batch, length, width)
         branch = (lambda t: F.dropout(t, p, self.training)) if drop is None else drop.hidden

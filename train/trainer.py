@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.attention import use_fused
 from common.batching import to_device
 from common.checkpoint import AUX_FILE, latest_checkpoint, list_checkpoints, local_aux
 from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
@@ -174,14 +175,16 @@ def build_model(config: RunConfig, vocab_size: int, prior: float, device: torch.
     """(the model to train, the detector that validation scores): the same initial weights on every rank."""
     torch.manual_seed(config.train.seed)
     if config.train.objective == "mlm":  # the aux model: its own depth, no RTD head
-        model = MLMObjective(config.model, vocab_size, config.model.num_layers).to(device)
-        return model, model
-    if config.train.objective == "electra":  # generator + discriminator, embeddings shared
+        model = detector = MLMObjective(config.model, vocab_size, config.model.num_layers).to(device)
+    elif config.train.objective == "electra":  # generator + discriminator, embeddings shared
         model = ElectraPair(config.model, vocab_size, reserved).to(device)
         detector = model.discriminator
     else:
         model = detector = ReplacedTokenDetector(config.model, vocab_size).to(device)
-    detector.head.start_at_base_rate(prior)  # "init well": step 0 = majority baseline
+    if config.train.objective != "mlm":
+        detector.head.start_at_base_rate(prior)  # "init well": step 0 = majority baseline
+    if config.train.attention == "auto" and device.type == "cuda":
+        use_fused(model)  # the T5 bias's gradient in a fused kernel (common/attention.py)
     return model, detector
 
 
@@ -309,7 +312,8 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
               f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {accum} accumulated); "
               f"{dropped_rows} tail rows dropped; data {data_desc}"
-              f"{'; under torch.compile' if use_compile else ''}")
+              f"{'; under torch.compile' if use_compile else ''}"
+              f"{'; attention in the fused kernel' if any(getattr(m, 'fused_attention', None) for m in model.modules()) else ''}")
         if "start" not in history:
             history["start"] = {"step": 0, **evaluate_now(detector, valid, device, autocast)}
     if checking is not None:
