@@ -18,8 +18,11 @@ so nothing has to be prepared at the base shape (12 x 768, aux 4 layers, sequenc
                     electra (generator 4 layers + discriminator, joint loss, online sampling), the same rows
                     and update (train/objectives.py), seconds per update and peak memory, one after the other
   attention         one layer's attention with the T5 bias, forward + backward (and forward alone, as the aux
-                    model runs it): SDPA with an additive bias (common/model.py) vs FlexAttention (bias as a
-                    score modification, padding as a block mask, compiled); outputs compared
+                    model runs it): common/attention.py's kernel, SDPA with an additive bias (common/model.py),
+                    FlexAttention (bias as a score modification, compiled) and others; outputs compared
+  mfu_sdpa, mfu_compiled_sdpa   mfu and mfu_compiled with `[train] attention = "sdpa"` (the baseline)
+  fused_tiles       common/attention.py's kernels with each tile shape (forward, then backward); the fastest are
+                    used by the parts after it
 Writes bench/results/base-gpu.json and .md (the device's name inside). Needs CUDA (the measures take a
 device: tests/test_bench.py runs them on the CPU at a tiny shape).
 """
@@ -47,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.flops import Encoder, encoder_forward_flops, output_layer_flops
+from common import attention as fused_attention
 from common.checkpoint import save_aux
 from common.config import GenerateConfig, load_manifest
 from common.corrupt import Corruptor
@@ -59,7 +63,7 @@ from common.tokenizer import SPECIAL_IDS
 from generate.worker import ShardWriter, mean_phases
 
 RESULTS = Path("bench/results")
-ATTENTION_WAYS = ("sdpa_dense_bias", "sdpa_dense_dropout", "sdpa_efficient", "sdpa_head_bias", "sdpa_no_bias",
+ATTENTION_WAYS = ("sdpa_dense_bias", "fused", "fused_dropout", "sdpa_dense_dropout", "sdpa_efficient", "sdpa_head_bias", "sdpa_no_bias",
                   "compiled_manual", "flex_table", "flex_dense", "sdpa_bias_no_grad", "sdpa_bias_no_grad_dropout",
                   "split_bias_grad")
 # Dense bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets (SXM parts; no sparsity).
@@ -157,11 +161,11 @@ def trainer_update(model, optimizer, scheduler, rows: dict, accum: int, config, 
 
 def sdpa_kernels(fn) -> list[str]:
     """The fused-attention backends `fn` runs, as the profiler names them (aten::_scaled_dot_product_*: flash,
-    efficient, cudnn, math, flash_attention_for_cpu), sorted. The CPU's op events carry the names on any device."""
+    efficient, cudnn, math, flash_attention_for_cpu; fast_electra::attention_*: common/attention.py), sorted. The CPU's op events carry the names on any device."""
     from torch.profiler import ProfilerActivity
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")})
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith(("aten::_scaled_dot_product", "fast_electra::"))})
 
 
 def profile_call(fn, device: torch.device) -> dict:
@@ -197,11 +201,14 @@ def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
 
 
 def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False, compiled: bool = False,
-                device: torch.device = torch.device("cuda")) -> dict:
-    """`compiled`: the same update with the model under torch.compile (`[train] compile`, as the trainer does)."""
+                device: torch.device = torch.device("cuda"), attention: str = "auto") -> dict:
+    """`compiled`: the same update with the model under torch.compile (`[train] compile`, as the trainer does).
+    `attention`: `[train] attention`, "auto" (the fused kernel where the trainer would take it) or "sdpa"."""
     tc, V, L = config.train, config.tokenizer.vocab_size, config.corpus.max_seq_len
     torch.manual_seed(0)
     model = ReplacedTokenDetector(config.model, V).to(device)
+    if attention == "auto" and device.type == "cuda":  # as train.trainer.build_model does
+        fused_attention.use_fused(model)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, 10, 10_000)
     update, forward_backward = trainer_update(model, optimizer, scheduler, synthetic_batch(rows, L, V), accum, config,
@@ -219,7 +226,10 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
     flops = update_flops(config, rows * accum)
     kernels = sdpa_kernels(forward_backward)  # the attention of the trainer's own forward and backward
     optimizer.zero_grad(set_to_none=True)
-    return {"sdpa_kernels": kernels, "rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
+    A = fused_attention
+    return {"sdpa_kernels": kernels, "attention": attention, "fused_tiles": [
+                (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES),
+                (A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES)], "rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
             "seconds_per_update": seconds, "seconds_per_micro_batch_fwd_bwd": micro,
             "model_flops_per_update": flops, "achieved_flops_per_s": flops / seconds,
             "fwd_bwd_flops_per_s": update_flops(config, rows) / micro,
@@ -240,6 +250,8 @@ def measure_efficiency(config, rows: int, accum: int, steps: int, device: torch.
         reset_peak_memory(device)
         torch.manual_seed(0)
         model = (ElectraPair(config.model, V) if name == "electra" else ReplacedTokenDetector(config.model, V)).to(device)
+        if config.train.attention == "auto" and device.type == "cuda":  # as train.trainer.build_model does
+            fused_attention.use_fused(model)
         optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                     tc.embed_lr_scale)
         update, _ = trainer_update(model, optimizer, build_scheduler(optimizer, 10, 10_000), batch, accum, config,
@@ -538,6 +550,8 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
 
     compiled_bias_grad = _bias_grad if device.type == "cpu" else torch.compile(_bias_grad, dynamic=False)
     ways = {"sdpa_dense_bias": sdpa_dense, "sdpa_dense_dropout": lambda: sdpa_dense(m.dropout),
+            "fused": lambda: fused_attention.attention(q, k, v, head_bias()),
+            "fused_dropout": lambda: fused_attention.attention(q, k, v, head_bias(), m.dropout),
             "sdpa_efficient": sdpa_efficient,
             "sdpa_head_bias": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=head_bias()),
             "sdpa_no_bias": lambda: F.scaled_dot_product_attention(q, k, v),
@@ -547,7 +561,7 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
             "sdpa_bias_no_grad_dropout": lambda: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=head_bias().detach(), dropout_p=m.dropout),
             "split_bias_grad": lambda: split_bias_attention(q, k, v, head_bias(), compiled_bias_grad)}
-    same_function = ("sdpa_dense_bias", "sdpa_efficient", "sdpa_head_bias", "compiled_manual", "flex_table",
+    same_function = ("sdpa_dense_bias", "fused", "sdpa_efficient", "sdpa_head_bias", "compiled_manual", "flex_table",
                      "flex_dense", "split_bias_grad")
     g = torch.randn(rows, h, L, d, device=device, dtype=dt)
     out, reference = {"rows": rows, "length": L, "heads": h, "head_dim": d}, None
@@ -574,7 +588,7 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
             with torch.no_grad():
                 device_seconds(fn, 2, device)
                 out[f"{name}_fwd_ms"] = 1e3 * statistics.median(device_seconds(fn, repeats, device))
-            if name.startswith(("sdpa", "split")):
+            if name.startswith(("sdpa", "split", "fused")):
                 out[f"{name}_kernels"] = sdpa_kernels(fwd_bwd)
         except Exception as e:  # noqa: BLE001 -- a way the GPU refuses is a result too
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:600]
@@ -584,6 +598,76 @@ def measure_attention(config, rows: int, repeats: int = 10, device: torch.device
     if same:
         out["fastest_same_function"] = min(same, key=same.get)
     return out
+
+
+FWD_TILES = ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2))
+BWD_TILES = ((32, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 4, 3), (128, 32, 8, 3))
+
+
+def measure_fused_tiles(config, rows: int, repeats: int = 10, device: torch.device = torch.device("cuda"),
+                        profile: bool = False) -> dict:
+    """common/attention.py's kernels with each (BLOCK_M, BLOCK_N, warps, stages) of FWD_TILES (the backward's
+    tiles as committed), then each of BWD_TILES (the forward's as committed): one layer at the manifest's shape,
+    full rows, a (1, H, L, L) bias with its gradient, the manifest's attention dropout; fwd+bwd ms (and the
+    forward alone for the forward's tiles). The module's tiles are restored after. `profile`: where one forward
+    and backward's device time goes with the fastest tiles (printed)."""
+    m, L = config.model, config.corpus.max_seq_len
+    h, d = m.num_heads, m.hidden_size // m.num_heads
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(rows, h, L, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, h, L, L, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(rows, h, L, d, device=device, dtype=torch.bfloat16)
+    A = fused_attention
+    kept = (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
+            A.BWD_STAGES)
+    out = {"rows": rows, "length": L, "fwd_bwd_ms": {}, "fwd_ms": {}, "errors": {}}
+    try:
+        for which, tiles in (("fwd", FWD_TILES), ("bwd", BWD_TILES)):
+            for tile in tiles:
+                key = f"{which} {tile}"
+                if which == "fwd":
+                    A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES = tile
+                else:
+                    A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES = kept[:4]
+                    A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES = tile
+                try:
+                    def fwd_bwd():
+                        A.attention(q, k, v, bias, m.dropout).backward(g)
+                    device_seconds(fwd_bwd, 2, device)
+                    out["fwd_bwd_ms"][key] = 1e3 * statistics.median(device_seconds(fwd_bwd, repeats, device))
+                    if which == "fwd":
+                        with torch.no_grad():
+                            fwd = partial(A.attention, q, k, v, bias, m.dropout)
+                            device_seconds(fwd, 2, device)
+                            out["fwd_ms"][key] = 1e3 * statistics.median(device_seconds(fwd, repeats, device))
+                except Exception as e:  # noqa: BLE001 -- a tile the GPU refuses (shared memory) is a result too
+                    out["errors"][key] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
+         A.BWD_STAGES) = kept
+    if out["fwd_bwd_ms"]:
+        out["fastest"] = min(out["fwd_bwd_ms"], key=out["fwd_bwd_ms"].get)
+    for which, tiles in (("fwd", FWD_TILES), ("bwd", BWD_TILES)):
+        timed = {t: out["fwd_bwd_ms"][f"{which} {t}"] for t in tiles if f"{which} {t}" in out["fwd_bwd_ms"]}
+        if timed:
+            out[f"best_{which}"] = list(min(timed, key=timed.get))
+    if profile and "best_fwd" in out and "best_bwd" in out:
+        apply_tiles(out)
+        try:
+            out["profile_best"] = profile_call(lambda: A.attention(q, k, v, bias, m.dropout).backward(g), device)
+        finally:
+            (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
+             A.BWD_STAGES) = kept
+    return out
+
+
+def apply_tiles(tiles: dict) -> None:
+    """The fastest forward and backward tiles of `measure_fused_tiles` for the rest of this run's parts."""
+    A = fused_attention
+    if "best_fwd" in tiles:
+        A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES = tiles["best_fwd"]
+    if "best_bwd" in tiles:
+        A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES = tiles["best_bwd"]
 
 
 def main(argv=None) -> int:
@@ -612,7 +696,11 @@ def main(argv=None) -> int:
     result = {"device": name, "torch": torch.__version__, "manifest": args.manifest, "cpu_count": os.cpu_count(),
               "machine": platform.machine(), "bf16_peak_flops": bf16_peak(name), "matmul_bf16_flops_per_s": matmul_flops_per_s()}
     measures = {"mfu": lambda: measure_mfu(config, args.rows, args.accum, args.steps, args.profile),
-                "mfu_compiled": lambda: measure_mfu(config, args.rows, args.accum, args.steps, compiled=True),
+                "mfu_compiled": lambda: measure_mfu(config, args.rows, args.accum, args.steps, args.profile, compiled=True),
+                "mfu_sdpa": lambda: measure_mfu(config, args.rows, args.accum, args.steps, attention="sdpa"),
+                "mfu_compiled_sdpa": lambda: measure_mfu(config, args.rows, args.accum, args.steps, compiled=True,
+                                                         attention="sdpa"),
+                "fused_tiles": lambda: measure_fused_tiles(config, args.rows, profile=args.profile),
                 "efficiency": lambda: measure_efficiency(config, args.rows, args.accum, args.steps),
                 "generation": lambda: measure_generation(config, args.gen_rows, args.gen_shards, profile=args.profile,
                                                     depths=tuple(int(d) for d in args.gen_depths.split(",")),
@@ -634,6 +722,8 @@ def main(argv=None) -> int:
             print(f"bench.gpu: {part} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
             continue
+        if part == "fused_tiles":
+            apply_tiles(result[part])  # the parts after it run the fastest tiles
         if part.startswith("mfu"):
             r = result[part]
             r["mfu"] = r["achieved_flops_per_s"] / result["bf16_peak_flops"] if result["bf16_peak_flops"] else None
@@ -671,6 +761,15 @@ def markdown(r: dict, args) -> str:
         m = r["mfu_compiled"]
         md += [f"| the same update, model under torch.compile (`[train] compile = auto`: the trainer's path on a GPU) | {m['mfu'] or float('nan'):.3f} "
                f"({m['seconds_per_update']:.4f} s/update) | |"]
+    for part, what in (("mfu_sdpa", "eager"), ("mfu_compiled_sdpa", "torch.compile")):
+        if part in r:
+            m = r[part]
+            md += [f"| trainer MFU, {what}, attention through SDPA (`[train] attention = \"sdpa\"`) | {m['mfu'] or float('nan'):.3f} "
+                   f"({m['seconds_per_update']:.4f} s/update; {', '.join(m.get('sdpa_kernels', []))}) | |"]
+    if "fused_tiles" in r:
+        t = r["fused_tiles"]
+        md += [f"| fused attention tiles, {t['rows']} x {t['length']} tokens, fwd+bwd ms by (fwd BLOCK_M, BLOCK_N, warps, "
+               f"stages / bwd ...) | " + "; ".join(f"{k}: {v:.3f}" for k, v in t["fwd_bwd_ms"].items()) + " | |"]
     if "efficiency" in r:
         e = r["efficiency"]
         md += [f"| fast-offline / electra, seconds per update | {e['offline_vs_electra_time']:.3f} "
