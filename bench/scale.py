@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.memory import peak_rss_bytes
+from common.memory import _proc_bytes, peak_rss_bytes
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 
@@ -128,7 +128,7 @@ def generation_probe(layers: int, width: int, heads: int, vocab: int, seq_len: i
             rows = [r[:n] for r, n in zip(rows, np.random.default_rng(2).integers(seq_len // 2, seq_len + 1, len(rows)))]
         task = plan_tasks(len(rows), 0, GenerateConfig(epochs=1, rows_per_shard=rows_per_shard, valid_rows=0), 1)[0]
         writer = ShardWriter({"train": rows}, corruptor, tmp, 15)
-        loaded = _proc_status("VmRSS")
+        loaded = _proc_bytes("/proc/self/status", "VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here on
         for _ in range(2):  # a second shard: its padded batch comes while the sampler's arrays are kept
             writer(task)
@@ -138,13 +138,6 @@ def generation_probe(layers: int, width: int, heads: int, vocab: int, seq_len: i
     return {"layers": layers, "width": width, "vocab": vocab, "seq_len": seq_len, "batch_tokens": batch_tokens,
             "rows_per_shard": rows_per_shard, "rows": lengths, "loaded_bytes": loaded,
             "measured_bytes": peak - loaded, "estimate_bytes": need, "estimate_over_measured": need / (peak - loaded)}
-
-
-def _proc_status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def generation_preflight_error() -> dict:

@@ -239,7 +239,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
         todo = [t for t in tasks if t.path not in done]
     manifest_path.unlink(missing_ok=True)  # only a complete, verified folder has a manifest
     log(f"generate: {len(tasks)} shards planned, {len(done)} already done, {len(todo)} to run "
-        f"on {workers} worker(s)")
+        f"on {min(workers, len(todo)) if todo else workers} worker(s)")  # no worker starts without a shard
     t0 = time.time()
     # paths the actors resolve on their own machine (URIs stay URIs)
     actor_args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()),
