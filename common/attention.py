@@ -47,10 +47,13 @@ if triton is not None:
     @triton.jit
     def _keep(seed, bh, offs_m, start_n, L, threshold, BLOCK_N: tl.constexpr):
         """The dropout keep mask of a tile of queries `offs_m` x keys start_n .. start_n + BLOCK_N (start_n a
-        multiple of 8): one Philox call (seed + batch-head as the key, query * ceil(L / 8) + key // 8 as the
-        counter) gives 4 x 32 random bits, 16 for each of 8 keys, kept where they are >= `threshold`."""
+        multiple of 8): one Philox call (the call's seed as the key; query * ceil(L / 8) + key // 8 and the
+        batch-head index as the counter's first two words) gives 4 x 32 random bits, 16 for each of 8 keys,
+        kept where they are >= `threshold`."""
         groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-        r0, r1, r2, r3 = tl.randint4x(seed + bh, offs_m[:, None] * ((L + 7) // 8) + groups[None, :])
+        counter = offs_m[:, None] * ((L + 7) // 8) + groups[None, :]
+        zero = counter * 0
+        r0, r1, r2, r3 = tl.philox(seed, counter, zero + bh, zero, zero)
         lo = tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16))
         hi = tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16))
         # key 8g + 4k + 2j + i takes draw [i, j, k] of group g: the order in which joins stack them, no shuffle
@@ -80,7 +83,7 @@ if triton is not None:
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
                         EVEN: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
+        b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)  # 64-bit bases: a per-row bias passes 2^31 elements
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         row_ok = offs_m < L
@@ -122,7 +125,7 @@ if triton is not None:
     def _delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, L, D: tl.constexpr, BLOCK_M: tl.constexpr):
         """rowsum(dO * O) = rowsum(dP * P) (dropout included), the backward's softmax term, in float32."""
         pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
+        b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)  # 64-bit bases: a per-row bias passes 2^31 elements
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         row_ok = offs_m < L
@@ -138,7 +141,7 @@ if triton is not None:
                          EVEN: tl.constexpr):
         """One block of keys against every query: dK and dV accumulated here, dS written for dQ and the bias."""
         pid_n, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
+        b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)  # 64-bit bases: a per-row bias passes 2^31 elements
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         col_ok = offs_n < L
@@ -174,9 +177,10 @@ if triton is not None:
             _store(DS + bh.to(tl.int64) * L * L + offs_m[:, None] * L + offs_n[None, :], ds,
                    row_ok[:, None] & col_ok[None, :], EVEN)
             dk += tl.dot(tl.trans(ds), q)
-        _store(DK + bh * L * D + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-               col_ok[:, None], EVEN)
-        _store(DV + bh * L * D + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), col_ok[:, None], EVEN)
+        base = bh.to(tl.int64) * L * D
+        _store(DK + base + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), col_ok[:, None],
+               EVEN)
+        _store(DV + base + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), col_ok[:, None], EVEN)
 
 
 def _blocks(L: int, block: int) -> int:
@@ -250,11 +254,14 @@ def _setup_context(ctx, inputs, output):
     q, k, v, bias, seed, p_drop = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, bias, o, lse, seed)
+    ctx.mark_non_differentiable(lse)
     ctx.p_drop = p_drop
 
 
 def _backward_rule(ctx, do, _dlse):
     q, k, v, bias, o, lse, seed = ctx.saved_tensors
+    if do.stride(-1) != 1:  # the kernels step along a row of dO by 1 (an expanded gradient has stride 0 there)
+        do = do.contiguous()
     dq, dk, dv, dbias = _backward(do, q, k, v, bias, o, lse, seed, ctx.p_drop)
     return dq, dk, dv, dbias, None, None
 
@@ -268,6 +275,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     q, k, v: (B, H, L, D), any strides with the last at 1; bias: (1 or B, H, L, L), last stride 1.
     Returns (B, H, L, D), laid out as (B, L, H, D) so the caller's transpose back to rows is free.
     `seed`: a one-element int64 tensor on q's device (drawn from torch's generator where None)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernels step along d by 1
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
     o, _ = _forward(q, k, v, bias.contiguous(), seed, float(dropout_p))

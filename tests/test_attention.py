@@ -56,12 +56,46 @@ def compare(B, H, L, D, dropout_p, padded, dtype, device, seed=1234) -> dict:
 
 SHAPES = [  # (B, H, L, D, dropout_p, padded): lengths off the tiles' multiples, each head dim family, then on
     (2, 2, 48, 16, 0.0, False), (2, 3, 80, 32, 0.25, True), (3, 2, 40, 64, 0.1, False),
-    (1, 2, 128, 16, 0.1, True)]  # a multiple of every tile: the kernels' unmasked path
+    (2, 2, 128, 16, 0.1, True)]  # a multiple of every tile: the kernels' unmasked path, a per-row bias
 
 
-def interpreted_checks() -> list[dict]:
+def edge_checks(device="cpu") -> dict:
+    """What `compare` does not reach: a row whose keys are all padding (output 0, gradients 0, no NaN); a
+    gradient expanded from a sum (stride 0 along d) against the reference's; masks of neighbouring seeds that
+    are not one another's shifted by a head; the custom op's own consistency (torch.library.opcheck: fakes,
+    autograd registration, traced dispatch)."""
+    B, H, L, D, p = 2, 2, 40, 16, 0.2
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(device).requires_grad_() for _ in range(3))
+    table = torch.randn(1, H, L, L, generator=g).to(device).requires_grad_()
+    pad = torch.zeros(B, 1, 1, L, device=device)
+    pad[1] = float("-inf")  # row 1: every key padding
+    seed = torch.tensor([99], dtype=torch.int64, device=device)
+    out = attention.attention(q, k, v, table + pad, p, seed=seed)
+    out.sum().backward()  # dO expanded from a scalar: stride 0 everywhere
+    empty_row = {"out_zero": bool((out[1] == 0).all()), "grads_zero": all(bool((t.grad[1] == 0).all()) for t in (q, k, v)),
+                 "finite": all(bool(torch.isfinite(t).all()) for t in (out, q.grad, k.grad, v.grad, table.grad))}
+    got = [t.grad.clone() for t in (q, k, v, table)]
+    for t in (q, k, v, table):
+        t.grad = None
+    keep = attention.dropout_keep_mask(seed, B, H, L, p)
+    ref = reference(q[:1], k[:1], v[:1], table, p, keep[:1])  # row 0 alone: row 1 contributes nothing
+    ref.sum().backward()
+    expanded = max(float((a[:1].double() - b[:1].double()).norm() / b[:1].double().norm())
+                   for a, b in zip(got[:3], (q.grad, k.grad, v.grad)))
+    expanded = max(expanded, float((got[3].double() - table.grad.double()).norm() / table.grad.double().norm()))
+    shifted = attention.dropout_keep_mask(seed + 1, B, H, L, p)
+    checks = torch.library.opcheck(torch.ops.fast_electra.attention_forward.default,
+                                   (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
+                                    table.detach().requires_grad_(), seed, p))
+    return {"empty_row": empty_row, "expanded_grad_error": expanded,
+            "next_seed_is_a_head_shift": bool(torch.equal(shifted[:, :-1], keep[:, 1:])),
+            "opcheck": {name: result for name, result in checks.items()}}
+
+
+def interpreted_checks() -> dict:
     """Run in a process of its own with TRITON_INTERPRET=1 (read when the kernels are defined)."""
-    return [compare(*shape, torch.float32, "cpu") for shape in SHAPES]
+    return {"shapes": [compare(*shape, torch.float32, "cpu") for shape in SHAPES], "edges": edge_checks()}
 
 
 def _interpreter_works() -> bool:
@@ -84,7 +118,13 @@ def test_kernels_compute_attention_with_the_bias_gradient_and_the_dropout_they_s
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    for shape, r in zip(SHAPES, json.loads(result.stdout.splitlines()[-1])):
+    checks = json.loads(result.stdout.splitlines()[-1])
+    edges = checks["edges"]
+    assert edges["empty_row"] == {"out_zero": True, "grads_zero": True, "finite": True}, edges
+    assert edges["expanded_grad_error"] < 1e-5, edges
+    assert not edges["next_seed_is_a_head_shift"], edges  # the seed keys Philox; the head is a counter word
+    assert set(edges["opcheck"].values()) == {"SUCCESS"}, edges["opcheck"]
+    for shape, r in zip(SHAPES, checks["shapes"]):
         assert max(r["out"], r["dqkv"], r["dbias"]) < 1e-5, (shape, r)  # float32 against float64
         assert r["finite"] and r["mask_repeats"], (shape, r)
         if shape[4] > 0:
