@@ -63,9 +63,9 @@ from common.tokenizer import SPECIAL_IDS
 from generate.worker import ShardWriter, mean_phases
 
 RESULTS = Path("bench/results")
-ATTENTION_WAYS = ("sdpa_dense_bias", "fused", "fused_dropout", "sdpa_dense_dropout", "sdpa_efficient", "sdpa_head_bias", "sdpa_no_bias",
-                  "compiled_manual", "flex_table", "flex_dense", "sdpa_bias_no_grad", "sdpa_bias_no_grad_dropout",
-                  "split_bias_grad")
+ATTENTION_WAYS = ("sdpa_dense_bias", "fused", "fused_dropout", "sdpa_dense_dropout", "sdpa_efficient", "sdpa_head_bias",
+                  "sdpa_no_bias", "compiled_manual", "flex_table", "flex_dense", "sdpa_bias_no_grad",
+                  "sdpa_bias_no_grad_dropout", "split_bias_grad")
 # Dense bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets (SXM parts; no sparsity).
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12}
 
@@ -161,11 +161,13 @@ def trainer_update(model, optimizer, scheduler, rows: dict, accum: int, config, 
 
 def sdpa_kernels(fn) -> list[str]:
     """The fused-attention backends `fn` runs, as the profiler names them (aten::_scaled_dot_product_*: flash,
-    efficient, cudnn, math, flash_attention_for_cpu; fast_electra::attention_*: common/attention.py), sorted. The CPU's op events carry the names on any device."""
+    efficient, cudnn, math, flash_attention_for_cpu; fast_electra::attention_*: common/attention.py), sorted.
+    The CPU's op events carry the names on any device."""
     from torch.profiler import ProfilerActivity
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sorted({e.key for e in prof.key_averages() if e.key.startswith(("aten::_scaled_dot_product", "fast_electra::"))})
+    names = ("aten::_scaled_dot_product", "fast_electra::")
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith(names)})
 
 
 def profile_call(fn, device: torch.device) -> dict:
@@ -227,9 +229,10 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
     kernels = sdpa_kernels(forward_backward)  # the attention of the trainer's own forward and backward
     optimizer.zero_grad(set_to_none=True)
     A = fused_attention
-    return {"sdpa_kernels": kernels, "attention": attention, "fused_tiles": [
-                (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES),
-                (A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES)], "rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
+    tiles = [(A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES), (A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
+                                                                         A.BWD_STAGES)]
+    return {"sdpa_kernels": kernels, "attention": attention, "fused_tiles": tiles,
+            "rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
             "seconds_per_update": seconds, "seconds_per_micro_batch_fwd_bwd": micro,
             "model_flops_per_update": flops, "achieved_flops_per_s": flops / seconds,
             "fwd_bwd_flops_per_s": update_flops(config, rows) / micro,

@@ -27,10 +27,10 @@ except ImportError:  # a CPU machine without Triton: SDPA everywhere
 # Tiles, measured on an H200 at the base shape (docs/benchmarks.md); head dims 16-128.
 FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, FWD_STAGES = 64, 64, 4, 3
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_WARPS, BWD_STAGES = 128, 64, 8, 3
-LOG2E = 1.4426950408889634
 
 
 def available() -> bool:
+    """Whether Triton is installed (the kernels can be defined)."""
     return triton is not None
 
 
@@ -125,7 +125,7 @@ if triton is not None:
     def _delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, L, D: tl.constexpr, BLOCK_M: tl.constexpr):
         """rowsum(dO * O) = rowsum(dP * P) (dropout included), the backward's softmax term, in float32."""
         pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)  # 64-bit bases: a per-row bias passes 2^31 elements
+        b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         row_ok = offs_m < L
