@@ -228,10 +228,7 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
     flops = update_flops(config, rows * accum)
     kernels = sdpa_kernels(forward_backward)  # the attention of the trainer's own forward and backward
     optimizer.zero_grad(set_to_none=True)
-    A = fused_attention
-    tiles = [(A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES), (A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
-                                                                         A.BWD_STAGES)]
-    return {"sdpa_kernels": kernels, "attention": attention, "fused_tiles": tiles,
+    return {"sdpa_kernels": kernels, "attention": attention, "fused_tiles": list(current_tiles().values()),
             "rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
             "seconds_per_update": seconds, "seconds_per_micro_batch_fwd_bwd": micro,
             "model_flops_per_update": flops, "achieved_flops_per_s": flops / seconds,
@@ -621,18 +618,14 @@ def measure_fused_tiles(config, rows: int, repeats: int = 10, device: torch.devi
     bias = torch.randn(1, h, L, L, device=device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(rows, h, L, d, device=device, dtype=torch.bfloat16)
     A = fused_attention
-    kept = (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
-            A.BWD_STAGES)
+    kept = current_tiles()
     out = {"rows": rows, "length": L, "fwd_bwd_ms": {}, "fwd_ms": {}, "errors": {}}
     try:
         for which, tiles in (("fwd", FWD_TILES), ("bwd", BWD_TILES)):
             for tile in tiles:
                 key = f"{which} {tile}"
-                if which == "fwd":
-                    A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES = tile
-                else:
-                    A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES = kept[:4]
-                    A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES = tile
+                apply_tiles({"best_fwd": tile, "best_bwd": kept["best_bwd"]} if which == "fwd" else
+                            {"best_fwd": kept["best_fwd"], "best_bwd": tile})
                 try:
                     def fwd_bwd():
                         A.attention(q, k, v, bias, m.dropout).backward(g)
@@ -646,8 +639,7 @@ def measure_fused_tiles(config, rows: int, repeats: int = 10, device: torch.devi
                 except Exception as e:  # noqa: BLE001 -- a tile the GPU refuses (shared memory) is a result too
                     out["errors"][key] = f"{type(e).__name__}: {e}"[:300]
     finally:
-        (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
-         A.BWD_STAGES) = kept
+        apply_tiles(kept)
     if out["fwd_bwd_ms"]:
         out["fastest"] = min(out["fwd_bwd_ms"], key=out["fwd_bwd_ms"].get)
     for which, tiles in (("fwd", FWD_TILES), ("bwd", BWD_TILES)):
@@ -659,9 +651,15 @@ def measure_fused_tiles(config, rows: int, repeats: int = 10, device: torch.devi
         try:
             out["profile_best"] = profile_call(lambda: A.attention(q, k, v, bias, m.dropout).backward(g), device)
         finally:
-            (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
-             A.BWD_STAGES) = kept
+            apply_tiles(kept)
     return out
+
+
+def current_tiles() -> dict:
+    """common/attention.py's tiles now, in `apply_tiles`'s form."""
+    A = fused_attention
+    return {"best_fwd": [A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES],
+            "best_bwd": [A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES]}
 
 
 def apply_tiles(tiles: dict) -> None:
