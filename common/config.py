@@ -217,7 +217,8 @@ class GenerateConfig:
     def __post_init__(self):
         if self.epochs < 0:
             raise ConfigError(f"generate.epochs must be >= 0, got {self.epochs}")
-        for key, least in (("rows_per_epoch", 0), ("rows_per_shard", 1), ("batch_tokens", 1), ("rows_per_row_group", 0)):
+        for key, least in (("rows_per_epoch", 0), ("rows_per_shard", 1), ("batch_tokens", 1), ("rows_per_row_group", 0),
+                           ("valid_rows", 0), ("threads_per_worker", 1)):
             if getattr(self, key) < least:
                 raise ConfigError(f"generate.{key} must be >= {least}, got {getattr(self, key)}")
         if not 0.0 < self.mask_prob < 1.0:
@@ -611,13 +612,16 @@ def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
 # Resume compares everything else.
 NOT_TRAJECTORY = ("name", "work_dir", "shared_dir", "sweep", "reproduce")
 NOT_TRAJECTORY_TRAIN = ("eval_every", "log_every", "ckpt_every", "keep_checkpoints", "max_nonfinite_steps",
-                        "allow_short_stream", "verify_shards")
+                        "allow_short_stream", "verify_shards", "tensorboard")
+# [generate] settings that only schedule the work: outside the generation key (common.plan) and the resume check
+SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 
 
 def trajectory_config(data: dict) -> dict:
     """The part of a config dict (`config_to_dict`) that decides a run's updates, for resume."""
     kept = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
     kept["train"] = {k: v for k, v in kept["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
+    kept["generate"] = {k: v for k, v in kept["generate"].items() if k not in SCHEDULING_ONLY}
     return kept
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import ConfigError, GenerateConfig, RunConfig
+from common.config import SCHEDULING_ONLY, ConfigError, GenerateConfig, RunConfig
 from common.curriculum import GENERATOR_STREAM, VALID_EPOCH, row_fraction, strength_at
 
 
@@ -106,8 +106,6 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
 # split and masks per batch, and generation keys without this entry. Part of the generation key: shards drawn
 # one way are never taken for shards drawn the other.
 DRAWS_VERSION = "feistel-order, per-row-dropout, blocked-gpu-draws"
-# [generate] settings that only schedule the work: outside the generation key
-SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 
 
 def epoch_order(num_train_rows: int, epoch: int, seed: int, stream: int = GENERATOR_STREAM) -> "IndexPermutation":

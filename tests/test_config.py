@@ -52,6 +52,8 @@ def test_wrong_type_and_bad_values_are_errors():
     ("generate", "rows_per_shard", 0, "generate.rows_per_shard must be >= 1, got 0"),
     ("generate", "batch_tokens", 0, "generate.batch_tokens must be >= 1, got 0"),
     ("generate", "actors_per_gpu", 0, "generate.actors_per_gpu must be >= 1, got 0"),
+    ("generate", "valid_rows", -1, "generate.valid_rows must be >= 0, got -1"),  # was a plan of no validation shard
+    ("generate", "threads_per_worker", 0, "generate.threads_per_worker must be >= 1, got 0"),  # was found in an actor
 ])
 def test_out_of_range_values_are_errors_naming_key_and_value(section, key, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -137,3 +139,22 @@ def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path
         dry = subprocess.run(["make", "-n", "clean", f"MANIFEST={path}"], cwd=ROOT, capture_output=True, text=True)
         assert dry.returncode != 0 and f"MANIFEST={path} does not exist or does not read as TOML" in dry.stderr
         assert "rm -rf" not in dry.stdout
+
+
+def test_make_targets_after_the_shards_use_the_work_folder_of_your_corpus(tmp_path):
+    """`CORPUS=` (and `AUX=`) give everything made from them a work folder of its own: the targets that read
+    shards, the corpus or the aux model (sweep, plots, finetune-floor) pass it on, as train does (a dry run)."""
+    import subprocess
+    corpus = tmp_path / "texts"
+    dry = lambda target, *extra: subprocess.run(["make", "-n", target, f"CORPUS={corpus}", *extra], cwd=ROOT,
+                                                capture_output=True, text=True)
+    train = dry("train").stdout
+    work = train.split("--set work_dir=")[1].split()[0]
+    assert work.startswith("work/tiny/corpora/texts-") and f"--out {work}/runs/default" in train
+    for target, expected in (("sweep", f"--set work_dir={work} --set shared_dir= --data {work}/epochs"),
+                             ("plots", f"--set work_dir={work} --set shared_dir="),
+                             ("finetune-floor", f"--corpus {work}/corpus --out {work}/finetune/rotten_tomatoes-none")):
+        out = dry(target, "DATA=" if target != "sweep" else f"DATA={work}/epochs").stdout
+        assert expected in " ".join(out.split()), (target, out)
+    assert "--corpus" not in subprocess.run(["make", "-n", "finetune-floor"], cwd=ROOT, capture_output=True,
+                                            text=True).stdout  # the manifest's own corpus (or its shared_dir)

@@ -51,6 +51,8 @@ def test_resume_ignores_settings_that_do_not_change_the_updates(tmp_path):
     config.sweep.train = {"lr": [1e-4, 1e-3]}
     config.reproduce.budget_s = 60.0
     config.train.eval_every, config.train.log_every, config.train.ckpt_every = 7, 3, 9
+    config.train.tensorboard = True
+    config.generate.actors_per_gpu, config.generate.tasks_in_flight = 4, 3  # the generator's scheduling only
     config.work_dir = str(tmp_path / "elsewhere")
     assert _restore(tmp_path, config)[0] is not None
 
