@@ -77,8 +77,9 @@ LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m train.launch --standalone --n
 # object storage, in WORK). Ctrl-C or a failed trainer stops the generator too; rerunning resumes both. A generator
 # stopped that way did not fail (its exit code then is Ray's: 15, 134 or 143): only one that ended by itself is told.
 GEN_LOG := $(if $(findstring ://,$(DATA_DIR)),$(WORK)/generate.log,$(patsubst %/,%,$(DATA_DIR)).generate.log)
+# SIGUSR1 (README: a run's stacks) must not end this recipe's shell, whose command line names the trainer too
 train: aux
-	@mkdir -p $(dir $(GEN_LOG)); \
+	@trap ':' USR1; mkdir -p $(dir $(GEN_LOG)); \
 	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS)) \
 	    > $(GEN_LOG) 2>&1 & gen=$$!; \
 	trap 'kill $$gen 2>/dev/null; exit 130' INT TERM; \
@@ -94,14 +95,14 @@ train: aux
 # Only reads the shards: the generator runs only for the default folder without a manifest.json. A DATA= given
 # is taken as it is (one without shards is an error: a mistyped path must not start a generation there).
 sweep: setup $(if $(DATA),,$(DATA_DIR)/manifest.json)
-	$(PY) -m experiments.sweep --manifest $(MANIFEST) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC)
+	$(PY) -m experiments.sweep --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC)
 
 $(DATA_DIR)/manifest.json:
 	$(MAKE) generate-epochs MANIFEST=$(MANIFEST) DATA=$(DATA_DIR)
 
 # The paper's curricula: schedules and replaced-token distributions drawn as PNG; every ablation in turn.
 plots: aux
-	$(PY) -m generate.plots --manifest $(MANIFEST)
+	$(PY) -m generate.plots --manifest $(MANIFEST) $(SETS)
 
 ABLATIONS ?= $(wildcard manifests/ablations/*.toml)
 ablations: setup
@@ -116,7 +117,8 @@ finetune: $(if $(RUN),setup,train)
 	$(PY) -m finetune --checkpoint $(RUN_DIR) --task $(TASK) $(FT_ARGS)
 
 finetune-floor: setup
-	$(PY) -m finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS)
+	$(PY) -m finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS) $(if $(CORPUS)$(AUX),\
+	    --corpus $(WORK)/corpus --out $(WORK)/finetune/$(notdir $(patsubst %/,%,$(TASK)))-none)
 
 # The newest checkpoint of RUN as a Hugging Face model directory (remote code, safetensors, tokenizer, model
 # card; needs the .[hf] extra, which setup installs): docs/export.md. Reads the run, trains nothing.

@@ -1,6 +1,6 @@
 """`make sweep`: several trainer configs over the same dumped shards, then one summary table.
 
-    python -m experiments.sweep --manifest PATH [--data DIR] [--out DIR] [--nproc N]
+    python -m experiments.sweep --manifest PATH [--data DIR] [--out DIR] [--nproc N] [--set KEY=VALUE ...]
 
 The grid is the manifest's [sweep.train] table (key = [values]); every combination
 is one run, trained by the ordinary trainer (torchrun for --nproc > 1) on the shards in --data.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs
 from common.storage import location
-from common.config import (ConfigError, RunConfig, add_manifest_argument, config_from_dict, config_to_dict, dump_toml,
-                           load_manifest, trajectory_config)
+from common.config import (ConfigError, RunConfig, add_manifest_argument, add_set_argument, config_from_dict,
+                           config_to_dict, dump_toml, load_manifest, trajectory_config)
 from common.io import DamagedFile, DiskFull, atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
 from common.process import run_child, trainer_command
@@ -112,6 +112,7 @@ def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=prin
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n\n")[0])
     add_manifest_argument(parser)
+    add_set_argument(parser)  # every run's manifest carries them (make's CORPUS= and AUX= set the work folder)
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
     parser.add_argument("--out", default=None, help="sweep folder (default: WORK_DIR/sweeps/NAME)")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per run")
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     if args.nproc < 1:  # before any run is launched
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
-        config = load_manifest(args.manifest)
+        config = load_manifest(args.manifest, args.sets)
         data_dir = location(args.data) if args.data else config.epochs_dir
         out_dir = location(args.out) if args.out else location(config.work_dir) / "sweeps" / config.name
         rows = sweep(config, data_dir, out_dir, args.nproc)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs, load_aux
-from common.config import ConfigError, add_manifest_argument, load_manifest
+from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.corpus import term_counts
 from common.curriculum import strength_at
 from common.distributions import (aux_log_probs, replacement_probs, smoothed_one_hot_log_probs, temperature_scaled,
@@ -129,12 +129,13 @@ def plot_distributions(example: dict, path: Path) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m generate.plots", description=__doc__.split("\n\n")[0])
     add_manifest_argument(parser)
+    add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/plots)")
     parser.add_argument("--corpus", default=None, help="corpus folder (default: the manifest's)")
     parser.add_argument("--aux", default=None, help="auxiliary model (default: the manifest's)")
     args = parser.parse_args(argv)
     try:
-        config = load_manifest(args.manifest)
+        config = load_manifest(args.manifest, args.sets)
         out = Path(args.out) if args.out else Path(config.work_dir) / "plots"
         corpus = Path(args.corpus) if args.corpus else config.corpus_dir
         aux = Path(args.aux) if args.aux else config.aux_dir / AUX_FILE

@@ -122,23 +122,33 @@ def test_killing_the_launchers_process_group_leaves_no_trainer(generated, tmp_pa
 
 @pytest.mark.slow
 def test_sigusr1_prints_the_stacks_of_the_launcher_and_each_rank_and_the_run_goes_on(generated, tmp_path, gloo_env):
-    """Where a run that seems stuck is: `kill -USR1` to the launcher and its two ranks prints every thread's
-    stack (each rank's main thread inside the trainer's loop, the launcher in torchrun's agent); then the run
-    finishes as if nothing had been asked."""
+    """Where a run that seems stuck is: the README's `pkill -USR1 -f 'python.* -m train'` during `make train
+    NPROC=2` picks make's recipe shell, the launcher and its two ranks; each process prints every thread's
+    stack (each rank's main thread inside the trainer's loop, the launcher in torchrun's agent), and the run
+    finishes as if nothing had been asked (make's shell, whose command line matches too, is not ended by it)."""
+    from common.config import dump_toml, load_manifest
     manifest, data, _ = generated
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", "2", "-m", "train",
-           "--manifest", str(manifest), "--data", str(data), "--out", str(run), "--set", "train.max_steps=6"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**gloo_env, SLOW_ENV: "0.5"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    config = load_manifest(manifest, ["train.max_steps=6"])  # the same corpus, aux model and shards
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(config))
+    copy, run = tmp_path / "epochs", tmp_path / "run"
+    shutil.copytree(data, copy)  # make's generator checks the folder it is given and writes beside its shards
+    cmd = ["make", "--no-print-directory", "train", f"MANIFEST={manifest}", f"DATA={copy}", f"RUN={run}", "NPROC=2",
+           "WORKERS=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**gloo_env, SLOW_ENV: "0.5", "MAKEFLAGS": ""},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
         while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
             assert time.time() < deadline and proc.poll() is None, "the run did not log a step"
             time.sleep(0.1)
-        tree = [proc.pid, *descendants(proc.pid)]  # the launcher and its ranks (sessions of their own)
-        assert len(tree) >= 3, tree
-        signal_all(tree, signal.SIGUSR1, pause=0.5)
+        # the processes the README's pattern picks (pkill's matching is pgrep's), narrowed to this test's run
+        # folder (the other test process may be training); signalled in turn, so that their stacks, dumped into
+        # one shared stderr, do not interleave
+        pattern = f"python.* -m train.*{run}"
+        matched = [int(p) for p in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()]
+        assert len(matched) == 4, matched  # make's shell, the launcher, two ranks
+        signal_all(sorted(matched), signal.SIGUSR1, pause=0.5)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -36,3 +36,8 @@ def test_make_plots_writes_two_pngs(built, tmp_path):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert main(["--manifest", str(manifest), "--aux", str(tmp_path / "none.pt")]) == 2
+    # --set (make's CORPUS= and AUX= pass their work folder so): read from and written to where it says
+    moved = tmp_path / "moved"
+    assert main(["--manifest", str(manifest), "--set", f"work_dir={moved}", "--set", f"shared_dir={built.work_dir}"]) == 0
+    assert (moved / "plots" / "schedules.png").is_file()
+    assert main(["--manifest", str(manifest), "--set", f"shared_dir={tmp_path / 'empty'}"]) == 2  # no corpus there

@@ -96,3 +96,6 @@ def test_a_killed_sweep_stops_its_trainer_with_a_checkpoint_and_only_results_of_
     assert result.returncode == 1 and "already finished" not in result.stdout, result.stdout[-3000:]
     assert "train.warmup_steps" in result.stderr
     assert [r["status"] for r in json.loads((out / "sweep.json").read_text())["runs"]] == ["failed (exit 2)"] * 2
+    # --set (make's CORPUS= and AUX= pass their work folder so) reaches every run's config: the edit undone
+    result = rerun("--set", f"train.warmup_steps={values['train']['warmup_steps'] - 1}")
+    assert result.returncode == 0 and result.stdout.count("already finished") == 2, result.stdout[-3000:]

@@ -131,12 +131,12 @@ def _free_port() -> int:
 
 
 def _two_nodes(manifest, data, run, env, resume=False, attempts=3):
-    """`torchrun --nnodes 2` twice on this machine (node ranks 0 and 1, loopback rendezvous). Node 0 hosts the
-    rendezvous store: if its port was taken meanwhile, both go down before any trainer starts and are run again
-    on another port."""
+    """The README's `python -m train.launch --nnodes 2` (torchrun) twice on this machine (node ranks 0 and 1,
+    loopback rendezvous). Node 0 hosts the rendezvous store: if its port was taken meanwhile, both go down before
+    any trainer starts and are run again on another port."""
     for attempt in range(attempts):
         port = _free_port()
-        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        procs = [subprocess.Popen([sys.executable, "-m", "train.launch", "--nnodes", "2",
                                    "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
                                    "--master_port", str(port), "-m", "train", "--manifest", str(manifest),
                                    "--data", str(data), "--out", str(run)] + (["--resume"] if resume else []),
