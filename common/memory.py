@@ -1,5 +1,5 @@
 """The pre-flight check: one training micro-batch's peak memory, estimated before any work, against
-what the device has (docs/design.md, scale: a micro-batch that cannot fit stops the job first).
+what the device has (docs/design.md, trainer contract: a micro-batch that cannot fit stops the job first).
 
 The estimate counts, for the model being trained (its parameters counted on the meta device, so
 nothing is allocated):

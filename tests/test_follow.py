@@ -156,3 +156,17 @@ def test_sigterm_to_a_trainer_waiting_for_a_shard_stops_it_at_once_naming_its_ch
         gen.wait()
     assert "stopped by SIGTERM while waiting for the shards of step" in out, out[-3000:]
     assert "newest checkpoint (" in out and not (tmp_path / ".run.lock").exists()
+
+
+def test_a_micro_batch_too_large_is_refused_before_the_trainer_waits_for_a_generator(built, tmp_path, env_with_repo):
+    """`make train` on a machine too small for the manifest's micro-batch: the pre-flight reads the vocabulary
+    from the corpus and refuses at once, not after the generator has started (here it never does: the trainer
+    would wait its --follow-timeout for plan.json)."""
+    from common.config import dump_toml
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(built))
+    trainer = _trainer(manifest, tmp_path / "epochs", tmp_path / "run",
+                       {**env_with_repo, "FAST_ELECTRA_MEMORY_BYTES": str(2**20)}, "--follow", "--follow-timeout", "300")
+    out = trainer.communicate(timeout=240)[0]
+    assert trainer.returncode == 2 and "by the pre-flight estimate" in out, out[-3000:]
+    assert "waiting for the generator" not in out

@@ -30,7 +30,7 @@ from common.attention import use_fused
 from common.batching import to_device
 from common.checkpoint import AUX_FILE, latest_checkpoint, list_checkpoints, local_aux
 from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
-from common.corpus import load_corpus_meta, local_corpus
+from common.corpus import CORPUS_META, load_corpus_meta, local_corpus
 from common.tokenizer import Reserved, tokenizer_reserved
 from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
@@ -38,6 +38,7 @@ from common.io import FolderLock, atomic_write_json, atomic_write_text, parse_js
 from common.storage import is_remote, location
 from common.memory import peak_rss_bytes, preflight
 from common.model import ReplacedTokenDetector, count_parameters
+from common.shards import MANIFEST_FILE, PLAN_FILE
 from common.optim import build_optimizer, build_scheduler
 from train import state
 from train.data import DataError, open_data, rank_slice, to_tensors
@@ -72,6 +73,22 @@ def evaluate(model, valid, device, autocast, batch_size: int = 64) -> dict:
         masks.append(batch["attention_mask"].flatten())
     model.train()
     return rtd_metrics(torch.cat(logits), torch.cat(labels), torch.cat(masks))
+
+
+def known_vocab(config: RunConfig, args) -> int | None:
+    """The vocabulary size the data will have, from what is on disk now: the shard folder's manifest or plan
+    (fast-offline), else the corpus's corpus.json; None where none is there yet (a generator not started)."""
+    corpus_dir = location(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    places = [corpus_dir / CORPUS_META]
+    if config.train.objective == "fast-offline":
+        data_dir = location(args.data) if args.data else config.epochs_dir
+        places[:0] = [data_dir / MANIFEST_FILE, data_dir / PLAN_FILE]
+    for path in places:
+        try:
+            return int(json.loads(path.read_text())["vocab_size"])
+        except Exception:  # a hint only: what cannot be read here, open_streams reads and reports
+            continue
+    return None
 
 
 def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
@@ -252,9 +269,16 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     micro, accum = accumulation(tc.batch_size, world, tc.micro_batch, "aux" if mlm else "train")
     if tc.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]'")
+    # Before any work: refuse a micro-batch whose estimated peak memory exceeds the device's. On the vocabulary
+    # already on disk first, so that neither waiting for shards (--follow) nor corrupting the validation rows on
+    # the device (the online objectives) comes before it; again if the data's own differs.
+    check_memory = partial(preflight, config, micro=micro, device=device, what="aux" if mlm else "train",
+                           share=tc.batch_size // world)
+    if vocab_hint := known_vocab(config, args):
+        check_memory(vocab_hint)
     stream, valid, vocab_size, prior, manifest_hash, data_desc, tokenizer_sha256 = open_streams(config, args, device)
-    # Before any work: refuse a micro-batch whose estimated peak memory exceeds the device's.
-    preflight(config, vocab_size, micro, device, what="aux" if mlm else "train", share=tc.batch_size // world)
+    if vocab_size != vocab_hint:
+        check_memory(vocab_size)
     # train.verify_shards: this rank's shards' sha256 too, while the model is built and the step-0 evaluation
     # runs (fast-offline); without it every page read is checked against its CRC32 as it is read.
     following = getattr(stream, "follower", None) is not None  # shards checked as they arrive instead
