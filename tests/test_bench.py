@@ -1,5 +1,6 @@
 """Benchmark results carry docs/design.md's key names (the contract other tools read)."""
 import json
+import math
 
 import pytest
 import torch
@@ -65,7 +66,10 @@ def test_the_experiments_time_and_train_through_the_trainers_own_update_function
     manifest, data = generated[:2]
     ablate_tiny.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2"])
     assert calls[6:] == ["fast-offline"] * 2
-    assert "step     2  val loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step     2  val loss" in out
+    loss = float(out.split("step     2  val loss")[1].split()[0])
+    assert math.isfinite(loss) and 0 < loss < 5, out
 
 
 def test_bench_aux_probe_trains_through_the_update_and_reports_json(monkeypatch):

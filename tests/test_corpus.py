@@ -144,15 +144,16 @@ def test_exact_duplicates_are_dropped_and_the_first_kept(tmp_path, monkeypatch):
     assert digest(tmp_path / "in-buckets") == digest(config.corpus_dir)
 
 
-@pytest.mark.parametrize("make", ["missing", "empty_folder", "blank_files"])
-def test_empty_or_missing_corpus_is_refused_without_output(tmp_path, make):
+@pytest.mark.parametrize("make, message", [("missing", "does not exist"), ("empty_folder", "holds no text"),
+                                           ("blank_files", "holds no text")])
+def test_empty_or_missing_corpus_is_refused_without_output(tmp_path, make, message):
     source = tmp_path / "raw"
     if make != "missing":
         source.mkdir()
     if make == "blank_files":
         (source / "a.txt").write_text("   \n\n")
     config = tiny_config(tmp_path)
-    with pytest.raises(CorpusError, match="does not exist|holds no text"):
+    with pytest.raises(CorpusError, match=message):
         build_corpus(config, config.corpus_dir, **quiet)
     assert not config.corpus_dir.exists()
     assert not any(p.name.startswith(".corpus") for p in tmp_path.iterdir())

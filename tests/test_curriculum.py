@@ -37,12 +37,20 @@ def test_round_half_up():
 
 
 def test_temperature_schedule_end_points_and_per_row_u():
-    assert temperature_at(0.0, 2.0, 0.1) == 2.0
-    assert temperature_at(1.0, 2.0, 0.1) == pytest.approx(1 + np.exp(-10))
-    assert temperature_at(0.1, 2.0, 0.1) == pytest.approx(1 + np.exp(-1))
+    """The generator's per-row temperatures (`common.plan.epoch_curriculum`) against eq. (exp-decay) written out
+    apart (tests.conftest.temperature_at): T0 at u = 0, 1 + e^-1 at u = tau, 1 + e^-10 at u = 1, falling."""
+    from common.config import GenerateConfig
+    from common.plan import epoch_curriculum
     u = row_fraction(np.array([0, 5, 9]), 10)
     assert u.tolist() == [0.0, 0.5, 0.9]
-    assert np.all(np.diff(temperature_at(row_fraction(np.arange(100), 100), 2.0, 0.1)) < 0)
+    rows = np.array([0, 10, 100])  # u = 0, tau, 1 of 100 rows
+    temperatures, gammas = epoch_curriculum(GenerateConfig(t0=2.0, tau=0.1), 0, rows, 100)
+    assert temperatures[0] == 2.0
+    assert temperatures[1:] == pytest.approx([1 + np.exp(-1), 1 + np.exp(-10)], rel=1e-12)
+    assert temperatures == pytest.approx(temperature_at(rows / 100, 2.0, 0.1), rel=1e-12)
+    assert gammas == pytest.approx(temperatures - 1.0)
+    temperatures, _ = epoch_curriculum(GenerateConfig(t0=3.0, tau=0.5), 0, np.arange(100), 100)
+    assert np.all(np.diff(temperatures) < 0) and temperatures == pytest.approx(temperature_at(np.arange(100) / 100, 3.0, 0.5))
 
 
 def test_per_row_rng_depends_only_on_seed_epoch_row():

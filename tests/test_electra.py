@@ -64,7 +64,7 @@ def test_electra_objective_learns_and_its_checkpoint_keeps_the_sharing(built, ge
         assert state["model"][f"generator.{name}"].data_ptr() == state["model"][f"discriminator.{name}"].data_ptr()
     pair = ElectraPair(load_manifest(path).model, 320)
     pair.load_state_dict(state["model"])
-    for name in SHARED:
+    for name in SHARED:  # one parameter for both, with the saved values
         assert pair.generator.get_parameter(name) is pair.discriminator.get_parameter(name)
         assert torch.equal(pair.discriminator.get_parameter(name), state["model"][f"discriminator.{name}"])
 

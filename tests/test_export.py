@@ -374,7 +374,9 @@ def test_common_model_stands_alone_for_the_export():
                for a in (n.names if isinstance(n, ast.Import) else [None])}
     assert modules <= {"__future__", "math", "typing", "torch"}, modules
     assert common.model.PAD_ID == PAD_ID
-    for path in sorted((ROOT / "common" / "hf_remote").glob("*.py")):  # the rest of the remote code
+    remote = sorted((ROOT / "common" / "hf_remote").glob("*.py"))
+    assert {p.name for p in remote} >= {"configuration_fast_electra.py", "modeling_fast_electra.py"}
+    for path in remote:  # the rest of the remote code
         tree = ast.parse(path.read_text())
         absolute = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         absolute |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}

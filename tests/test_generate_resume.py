@@ -136,9 +136,13 @@ def test_a_folder_made_on_two_device_models_says_so_and_lists_them(reference, tm
     progress.write_text("".join(json.dumps({**r, "device_model": other} if i % 2 else r) + "\n"
                                 for i, r in enumerate(records)))  # every other shard as another machine wrote it
     (out / "manifest.json").unlink()
+    shards = sorted(out.rglob("*.parquet"))
+    stamps = [p.stat().st_mtime_ns for p in shards]
     config, logged = load_manifest(manifest), []
     written = generate(config, out, config.corpus_dir, config.aux_dir / AUX_FILE, 1, log=logged.append)
     assert written["device_models"] == sorted([model, other]) and _hashes(out) == expected
+    assert [p.stat().st_mtime_ns for p in shards] == stamps  # none written again
+    assert any("0 to run" in line for line in logged), logged
     (note,) = [line for line in logged if "device models" in line]
     assert "made on 2 device models" in note and model in note and other in note
 

@@ -20,18 +20,29 @@ def test_rtd_one_logit_per_token_and_padding_does_not_change_outputs():
     assert torch.allclose(short, padded[:, :10], atol=1e-5)
 
 
-def test_mlm_head_is_tied_and_only_scores_masked_positions():
-    model = MaskedLM(CFG, 100, num_layers=1)
+def test_mlm_head_is_tied_and_only_scores_masked_positions(tmp_path):
+    model = MaskedLM(CFG, 100, num_layers=1).eval()
     assert model.head.embedding.weight is model.encoder.embed.weight
     ids = torch.randint(5, 100, (3, 12))
     flags = torch.zeros(3, 12, dtype=torch.bool)
     flags[0, 2] = flags[2, 5] = flags[2, 7] = True
-    logits = model(ids, torch.ones_like(flags), flags)
-    assert logits.shape == (3, 100)
-    # a state dict saved and loaded keeps the weights tied
-    clone = MaskedLM(CFG, 100, num_layers=1)
-    clone.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        logits = model(ids, torch.ones_like(flags), flags)
+        hidden = model.encoder(ids, torch.ones_like(flags))
+        # row-major: row 0's position 2, then row 2's positions 5 and 7, each the head at that position alone
+        expected = model.head(torch.stack([hidden[0, 2], hidden[2, 5], hidden[2, 7]]))
+    assert logits.shape == (3, 100) and torch.allclose(logits, expected, atol=1e-6)
+    # a file saved and loaded (the aux model's path) holds the tied weight once and loads it tied
+    from common.checkpoint import safe_load
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    state = safe_load(tmp_path / "m.pt")
+    assert state["head.embedding.weight"].data_ptr() == state["encoder.embed.weight"].data_ptr()
+    clone = MaskedLM(CFG, 100, num_layers=1).eval()
+    clone.load_state_dict(state)
     assert clone.head.embedding.weight is clone.encoder.embed.weight
+    assert torch.equal(clone.encoder.embed.weight, model.encoder.embed.weight)
+    with torch.no_grad():
+        assert torch.equal(clone(ids, torch.ones_like(flags), flags), logits)
     assert count_parameters(model) == count_parameters(clone)
 
 

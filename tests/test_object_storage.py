@@ -269,5 +269,6 @@ def test_a_corpus_upload_killed_midway_is_finished_by_the_rerun_without_building
     local = cache_folder(location(f"s3://{BUCKET}/{prefix[:-1]}"), "builds")
     files = {p.relative_to(local).as_posix(): p for p in local.rglob("*") if p.is_file() and not p.name.startswith(".")}
     import hashlib
+    assert "corpus.json" in files and len(files) > len(first) and set(files) == set(_objects(client, prefix))
     assert {k: _sha(client, prefix + k) for k in files} == {k: hashlib.sha256(p.read_bytes()).hexdigest()
                                                            for k, p in files.items()}

@@ -53,7 +53,7 @@ def test_pretraining_text_has_no_label_and_no_dev_sentence(tmp_path):
     paragraphs = set(text.split("\n\n"))
     train = [line.rsplit("\t", 1)[0] for line in (tmp_path / "rotten_tomatoes/train.tsv").read_text().splitlines()[1:]]
     dev = [line.rsplit("\t", 1)[0] for line in (tmp_path / "rotten_tomatoes/dev.tsv").read_text().splitlines()[1:]]
-    assert len(dev) == 40 and not any(sentence in text for sentence in dev)
+    assert len(dev) == 40 and len(train) == 400 - 40 and not any(sentence in text for sentence in dev)
     assert set(train) <= paragraphs                     # every training review, one paragraph each
     assert "fresh" not in text and "rotten" not in text and "\t" not in text
     kinds = [d["name"].split(":")[0] for d in docs]

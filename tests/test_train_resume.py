@@ -211,7 +211,8 @@ def test_two_gloo_ranks_stopped_by_sigterm_checkpoint_the_same_update_and_resume
     """A cluster's preemption: SIGTERM to torchrun (`make train NPROC=2`'s launcher), which passes it on to
     its ranks. Both stop after one and the same update, checkpoint it (none was due: ckpt_every is past the
     run), release the run folder and end unfinished (143, no summary.json); --resume goes on from there to
-    the end, two ranks training on the shards as an uninterrupted run logs them."""
+    the end, each step logged once with its rows and temperatures, each evaluation that was due made (the
+    losses' equality with an uninterrupted run across a stop: test_two_nodes_on_loopback_train_and_resume)."""
     from train.__main__ import SLOW_ENV
     manifest, data, _ = generated
     run = tmp_path / "run"
