@@ -671,6 +671,10 @@ def apply_tiles(tiles: dict) -> None:
         A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES = tiles["best_bwd"]
 
 
+PARTS = ("mfu", "mfu_compiled", "mfu_sdpa", "mfu_compiled_sdpa", "fused_tiles", "efficiency", "generation", "draws",
+         "attention", "generation_processes")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu")
     parser.add_argument("--manifest", default="manifests/base.toml")
@@ -690,6 +694,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="print the update's GPU time by kernel")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    unknown = [part for part in args.only.split(",") if part not in PARTS]
+    if unknown:  # said before a GPU's time is spent, not after the other parts
+        parser.error(f"--only: unknown part(s) {', '.join(unknown)}; the parts: {', '.join(PARTS)}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     config = load_manifest(args.manifest)
@@ -713,6 +720,7 @@ def main(argv=None) -> int:
                     str(n): measure_generation_processes(config, args.manifest, args.gen_rows, args.gen_shards, n,
                                                          chunk_entries=args.gen_chunk_entries)
                     for n in map(int, args.gen_processes.split(","))}}
+    assert set(measures) == set(PARTS)
     errors = {}
     for part in args.only.split(","):
         try:  # one part failing (out of memory, a kernel missing) still leaves the others' figures

@@ -151,6 +151,25 @@ def test_bench_gpu_times_generation_in_processes_sharing_the_device():
     assert set(out["phase_seconds_per_shard"]) == {"read", "prepare", "wait", "device", "finish", "write"}
 
 
+def test_bench_gpu_refuses_an_unknown_part_before_it_needs_the_gpu(capsys):
+    """A lent GPU's minutes are few: a mistyped `--only` stops at once, naming the parts, and every part the
+    docs' commands name (the next GPU session's runbook among them) is one bench.gpu knows."""
+    import re
+    from bench import gpu
+    from tests.conftest import ROOT
+    with pytest.raises(SystemExit) as stopped:
+        gpu.main(["--only", "mfu_compiled,mfu_compield"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown part(s) mfu_compield" in err and "generation_processes" in err
+    text = " ".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    named = [m for m in re.findall(r"--only\s+([a-z_]+(?:,\s*[a-z_]+)*)", text)]
+    assert len(named) >= 4, named
+    parts = {part.strip() for m in named for part in m.split(",")}
+    assert parts <= set(gpu.PARTS), parts - set(gpu.PARTS)
+    assert {"mfu_compiled", "mfu_compiled_sdpa", "generation_processes"} <= parts
+
+
 def test_bench_gpu_counts_the_aux_forward_as_generation_runs_it(tmp_path):
     """The aux forward's model FLOPs (`forward_vs_peak`'s numerator): every layer over every token, lookups
     free, the MLM head only at masked positions. By hand for the tiny test shape (d 32, ffn 64, 2 heads,
