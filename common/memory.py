@@ -12,7 +12,8 @@ nothing is allocated):
     (rows, heads, L, L) attention bias and its gradient once per encoder;
   - the head: the RTD head's per-token values, or the MLM head's masked positions and one chunk of
     (positions, vocabulary) fp32 logits with their softmax and gradient (`train.mlm`);
-  - the process itself (interpreter, torch, the data reader): RUNTIME_BYTES.
+  - the process itself (interpreter, torch, the data reader): RUNTIME_BYTES, and TRITON_BYTES on CPU where
+    Triton is installed (torch._dynamo, which every trainer imports, imports it then: `runtime_bytes`).
 The coefficients were fitted to measured peaks on CPU (docs/benchmarks.md, the pre-flight estimate);
 on a GPU the same counts are taken at 2 bytes per bf16 value, not yet checked against a measurement.
 The generator's actors have an estimate of their own (`generation_need`, below).
@@ -31,6 +32,9 @@ ACT_HIDDEN = 14.0
 ACT_FFN = 3.0
 ACT_ATTENTION = 2.0
 RUNTIME_BYTES = {"cpu": 330 * 2**20, "cuda": 1024 * 2**20}
+# Triton's modules in a CPU process (measured with torch 2.13: `import torch._dynamo` peaks at 289 MB where Triton
+# cannot be imported, at 362 MB where it can). On a GPU, RUNTIME_BYTES["cuda"] stands for it (CUDA builds bring it).
+TRITON_BYTES = 73 * 2**20
 # fp32 logits of one chunk of masked positions (train/mlm.py chunks by this constant)
 LOGIT_CHUNK_ENTRIES = 2**26
 
@@ -88,7 +92,15 @@ def estimate_peak_bytes(config: RunConfig, vocab_size: int, rows: int, device_ty
         acts += masked * m.hidden_size * 4 * 4 + 3 * chunk * vocab_size * 4
     if objective != "mlm":
         acts += tokens * m.hidden_size * 3 * 4
-    return RUNTIME_BYTES["cuda" if gpu else "cpu"] + static + acts
+    return runtime_bytes(device_type) + static + acts
+
+
+def runtime_bytes(device_type: str) -> float:
+    """What the process itself holds (interpreter, torch, the data reader), beyond its model and batches."""
+    if device_type == "cuda":
+        return RUNTIME_BYTES["cuda"]
+    import importlib.util
+    return RUNTIME_BYTES["cpu"] + (TRITON_BYTES if importlib.util.find_spec("triton") is not None else 0)
 
 
 def available_bytes(device: torch.device) -> tuple[float, str]:

@@ -204,6 +204,29 @@ def test_the_preflight_names_the_largest_micro_batch_that_fits(built, monkeypatc
         preflight(config, vocab, 64, torch.device("cpu"), share=64)
 
 
+def test_the_estimate_counts_what_triton_adds_to_a_cpu_process():
+    """Every trainer imports torch._dynamo (torch.optim's constructor does), which imports Triton where it is
+    installed (the `test` extra; torch's CUDA builds): the pre-flight's runtime counts it, TRITON_BYTES, measured
+    here again as the peak RSS of that import with Triton importable over without (fresh processes)."""
+    import importlib.util
+    import subprocess
+    import sys
+    from common import memory
+    if importlib.util.find_spec("triton") is None:
+        assert memory.runtime_bytes("cpu") == memory.RUNTIME_BYTES["cpu"]
+        pytest.skip("Triton is not installed here: nothing to measure")
+    assert memory.runtime_bytes("cpu") == memory.RUNTIME_BYTES["cpu"] + memory.TRITON_BYTES
+    probe = ("import sys; {}import torch._dynamo; from common.memory import peak_rss_bytes; "
+             "print(sys.modules.get('triton') is not None, peak_rss_bytes())")
+    peaks = {}
+    for blocked in (False, True):
+        out = subprocess.run([sys.executable, "-c", probe.format("sys.modules['triton'] = None; " if blocked else "")],
+                             capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+        assert out[0] == str(not blocked), out
+        peaks[blocked] = int(out[1])
+    assert 0.7 < (peaks[False] - peaks[True]) / memory.TRITON_BYTES < 1.3, peaks
+
+
 def test_the_gpu_room_counts_what_the_caching_allocator_holds_unused(monkeypatch):
     """On a GPU the pre-flight's room is the free memory plus the blocks this process's caching allocator
     keeps without a tensor in them (fast-online and electra corrupt their validation rows on the GPU first):
