@@ -224,7 +224,7 @@ def test_the_estimate_counts_what_triton_adds_to_a_cpu_process():
                              capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
         assert out[0] == str(not blocked), out
         peaks[blocked] = int(out[1])
-    assert 0.7 < (peaks[False] - peaks[True]) / memory.TRITON_BYTES < 1.3, peaks
+    assert 0.6 < (peaks[False] - peaks[True]) / memory.TRITON_BYTES < 1.2, peaks  # measured: 0.71 and 1.00
 
 
 def test_the_gpu_room_counts_what_the_caching_allocator_holds_unused(monkeypatch):
