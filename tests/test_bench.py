@@ -163,7 +163,7 @@ def test_bench_gpu_refuses_an_unknown_part_before_it_needs_the_gpu(capsys):
     err = capsys.readouterr().err
     assert "unknown part(s) mfu_compield" in err and "generation_processes" in err
     text = " ".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
-    named = [m for m in re.findall(r"--only\s+([a-z_]+(?:,\s*[a-z_]+)*)", text)]
+    named = re.findall(r"--only\s+([a-z_]+(?:,\s*[a-z_]+)*)", text)
     assert len(named) >= 4, named
     parts = {part.strip() for m in named for part in m.split(",")}
     assert parts <= set(gpu.PARTS), parts - set(gpu.PARTS)

@@ -75,13 +75,22 @@ def evaluate(model, valid, device, autocast, batch_size: int = 64) -> dict:
     return rtd_metrics(torch.cat(logits), torch.cat(labels), torch.cat(masks))
 
 
+def corpus_folder(config: RunConfig, args):
+    """The corpus the run reads (its rows, its tokenizer): --corpus, else the manifest's."""
+    return location(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+
+
+def data_folder(config: RunConfig, args):
+    """The shard folder a fast-offline run reads: --data, else the manifest's."""
+    return location(args.data) if args.data else config.epochs_dir
+
+
 def known_vocab(config: RunConfig, args) -> int | None:
     """The vocabulary size the data will have, from what is on disk now: the shard folder's manifest or plan
     (fast-offline), else the corpus's corpus.json; None where none is there yet (a generator not started)."""
-    corpus_dir = location(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
-    places = [corpus_dir / CORPUS_META]
+    places = [corpus_folder(config, args) / CORPUS_META]
     if config.train.objective == "fast-offline":
-        data_dir = location(args.data) if args.data else config.epochs_dir
+        data_dir = data_folder(config, args)
         places[:0] = [data_dir / MANIFEST_FILE, data_dir / PLAN_FILE]
     for path in places:
         try:
@@ -95,7 +104,7 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
     """(training stream, validation rows, vocabulary size, replaced-token prior, data key, data description,
     the sha256 of the tokenizer the data was made with)."""
     objective_name = config.train.objective
-    corpus_dir = location(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    corpus_dir = corpus_folder(config, args)
     if objective_name != "fast-offline":
         corpus_dir = local_corpus(corpus_dir)  # the rows themselves: a copy on this machine if on object storage
     if objective_name == "mlm":  # the aux model's own training on the corpus (`make aux`)
@@ -103,7 +112,7 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
         return (stream, valid, vocab_size, None, key, f"mlm on {corpus_dir}",
                 load_corpus_meta(corpus_dir)["tokenizer_sha256"])
     if objective_name == "fast-offline":  # the product: shards written once by generate/ (or being written: --follow)
-        data_dir = location(args.data) if args.data else config.epochs_dir
+        data_dir = data_folder(config, args)
         follow = getattr(args, "follow_timeout", 600.0) if getattr(args, "follow", False) else 0.0
         quiet = int(os.environ.get("RANK", "0")) != 0
         data = open_data(data_dir, config, follow, log=(lambda _: None) if quiet else tqdm.write,
@@ -298,7 +307,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     dropped_rows = stream.num_rows - total_steps * tc.batch_size
 
     # the ids never masked nor sampled: the specials, and an hf: tokenizer's unused entries
-    corpus_dir = location(args.corpus) if getattr(args, "corpus", None) else config.corpus_dir
+    corpus_dir = corpus_folder(config, args)
     reserved = tokenizer_reserved(local_corpus(corpus_dir)) if tc.objective in ("electra", "mlm") else Reserved()
     mask_prob = config.aux.mask_prob if mlm else config.generate.mask_prob
     masking = {"seed": config.seed, "mask_prob": mask_prob, "reserved": reserved, "vocab_size": vocab_size}
