@@ -47,10 +47,14 @@ def aux_run_config(config: RunConfig) -> RunConfig:
 
 
 def run_key(config: RunConfig, corpus_dir: Path) -> str:
-    """What the aux run's updates depend on: the composed config's trajectory and the corpus."""
+    """What the aux run's updates depend on: the composed config's trajectory and the corpus. Not [generate]
+    (the shards come after the aux model; every ablation edits it and shares one aux model) nor the RTD loss's
+    weight, which the MLM objective does not read."""
     meta = load_corpus_meta(corpus_dir)
     parts = [p["sha256"] for split in ("train", "valid") for p in meta[split]["parts"]]
-    blob = {"config": trajectory_config(config_to_dict(aux_run_config(config))), "corpus": parts,
+    trajectory = trajectory_config(config_to_dict(aux_run_config(config)))
+    del trajectory["generate"], trajectory["train"]["electra_lambda"]
+    blob = {"config": trajectory, "corpus": parts,
             "tokenizer": meta["tokenizer_sha256"]}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
 

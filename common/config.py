@@ -613,6 +613,7 @@ def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
 NOT_TRAJECTORY = ("name", "work_dir", "shared_dir", "sweep", "reproduce")
 NOT_TRAJECTORY_TRAIN = ("eval_every", "log_every", "ckpt_every", "keep_checkpoints", "max_nonfinite_steps",
                         "allow_short_stream", "verify_shards", "tensorboard")
+NOT_TRAJECTORY_AUX = ("eval_every", "log_every", "ckpt_every")  # the aux run's own intervals
 # [generate] settings that only schedule the work: outside the generation key (common.plan) and the resume check
 SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 
@@ -621,6 +622,7 @@ def trajectory_config(data: dict) -> dict:
     """The part of a config dict (`config_to_dict`) that decides a run's updates, for resume."""
     kept = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
     kept["train"] = {k: v for k, v in kept["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
+    kept["aux"] = {k: v for k, v in kept["aux"].items() if k not in NOT_TRAJECTORY_AUX}
     kept["generate"] = {k: v for k, v in kept["generate"].items() if k not in SCHEDULING_ONLY}
     return kept
 

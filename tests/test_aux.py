@@ -287,3 +287,18 @@ def test_the_mlm_update_never_counts_masked_positions_on_the_device(built):
         results.append((loss.detach(), int(hits), [p.grad for p in model.parameters()]))
     (loss_a, hits_a, grads_a), (loss_b, hits_b, grads_b) = results
     assert torch.equal(loss_a, loss_b) and hits_a == hits_b and all(map(torch.equal, grads_a, grads_b))
+
+
+def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_weight_change(built):
+    """Every ablation edits [generate] and shares one aux model; the aux run's intervals and the RTD loss's
+    weight do not change its updates: none of them may start a fresh aux run (for base, 125K updates)."""
+    from auxiliary.mlm import aux_is_current
+    edited = dataclasses.replace(
+        built, generate=dataclasses.replace(built.generate, t0=3.0, schedule="constant", zstd_level=3, epochs=5),
+        aux=dataclasses.replace(built.aux, eval_every=1, log_every=1, ckpt_every=3),
+        train=dataclasses.replace(built.train, electra_lambda=7.0))
+    assert aux_is_current(edited, built.corpus_dir, built.aux_dir)
+    for changed in (dataclasses.replace(built, aux=dataclasses.replace(built.aux, lr=1e-3)),
+                    dataclasses.replace(built, seed=built.seed + 1),
+                    dataclasses.replace(built, train=dataclasses.replace(built.train, clip_norm=0.5))):
+        assert not aux_is_current(changed, built.corpus_dir, built.aux_dir)

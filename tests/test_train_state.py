@@ -52,6 +52,7 @@ def test_resume_ignores_settings_that_do_not_change_the_updates(tmp_path):
     config.reproduce.budget_s = 60.0
     config.train.eval_every, config.train.log_every, config.train.ckpt_every = 7, 3, 9
     config.train.tensorboard = True
+    config.aux.eval_every, config.aux.log_every, config.aux.ckpt_every = 5, 2, 11  # the aux run's own intervals
     config.generate.actors_per_gpu, config.generate.tasks_in_flight = 4, 3  # the generator's scheduling only
     config.work_dir = str(tmp_path / "elsewhere")
     assert _restore(tmp_path, config)[0] is not None
