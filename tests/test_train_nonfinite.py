@@ -8,6 +8,7 @@ import argparse
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -157,3 +158,20 @@ def test_a_finite_loss_with_an_infinite_gradient_skips_the_step(generated, tmp_p
     assert summary["nonfinite_steps"] == 4
     _, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert all(torch.equal(state["model"][k].cpu(), v.cpu()) for k, v in GradientBlowsUp.initial_state.items())
+
+
+def test_a_diverging_command_line_run_ends_with_one_error_line_and_exit_code_2(generated, tmp_path, env_with_repo):
+    """`python -m train` as make runs it, diverging for real (lr 1e30): the stop is an `error:` line naming the
+    step and the checkpoint, exit code 2 like every other refusal, not a traceback."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    manifest, data, _ = generated
+    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data),
+                             "--out", str(tmp_path / "run"), "--set", "train.lr=1e30", "--set", "train.max_steps=8",
+                             "--set", "train.max_nonfinite_steps=2"],
+                            cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert re.search(r"^error: 2 non-finite losses in a row, last at step \d+ .*last good checkpoint: ",
+                     result.stderr, re.M), result.stderr[-2000:]

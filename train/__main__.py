@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     stop_with_launcher()
     try:
         train(args, after_step=test_hook())
-    except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError, DiskFull) as e:
+    except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError, DiskFull,
+            FloatingPointError) as e:  # FloatingPointError: K non-finite losses in a row (train.trainer)
         tqdm.write(f"error: {e}", file=sys.stderr)  # on a line of its own, not after the progress bar's
         return leave(2)
     except Stopped:  # as if SIGTERM had ended it, a scheduler sees the run unfinished; a shard read that was

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from common.attention import use_fused
 from common.batching import to_device
-from common.checkpoint import AUX_FILE, latest_checkpoint, list_checkpoints, local_aux
+from common.checkpoint import AUX_FILE, list_checkpoints, local_aux
 from common.config import ConfigError, RunConfig, accumulation, load_manifest, save_resolved
 from common.corpus import CORPUS_META, load_corpus_meta, local_corpus
 from common.tokenizer import Reserved, tokenizer_reserved
@@ -241,10 +241,12 @@ def count_skipped(progress, stepped: list[bool], step: int, max_in_a_row: int) -
 
 
 def nonfinite_error(progress, step: int, batch_size: int, ckpt_dir: Path) -> FloatingPointError:
-    last = latest_checkpoint(ckpt_dir)
+    # the newest file by name, not loaded (a base checkpoint is 2 GiB, on every rank): every checkpoint is
+    # written from finite weights, and --resume skips a damaged one with a note
+    last = list_checkpoints(ckpt_dir)
     return FloatingPointError(f"{progress.nonfinite_run} non-finite losses in a row, last at step {step} "
                               f"(stream rows {step * batch_size}..{(step + 1) * batch_size - 1}); "
-                              f"last good checkpoint: {last[0] if last else 'none'}")
+                              f"last good checkpoint: {last[-1] if last else 'none'}")
 
 
 def train(args, after_step=None) -> dict:
