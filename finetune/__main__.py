@@ -26,7 +26,7 @@ def main(argv=None) -> int:
                         help="none: a random model of the same shape (the no-pre-training floor)")
     parser.add_argument("--manifest", default="manifests/tiny.toml",
                         help="shape and tokenizer when no --checkpoint is given (--init none)")
-    parser.add_argument("--corpus", default=None, help="folder of tokenizer.model (default: the run's corpus)")
+    parser.add_argument("--corpus", default=None, help="corpus folder whose tokenizer the run used (default: the run's corpus)")
     parser.add_argument("--task", default=None, help="task folder (GLUE TSV layout) or 'rotten_tomatoes'")
     parser.add_argument("--tasks-dir", default="work/tasks", help="where built-in tasks are prepared")
     parser.add_argument("--config", default=None, help="TOML file with a [finetune] table")

@@ -36,7 +36,7 @@ from common.corpus import local_corpus
 from common.io import atomic_write_json, atomic_write_text, sha256_file
 from common.model import Encoder, ReplacedTokenDetector, count_parameters, init_weights
 from common.optim import build_scheduler
-from common.tokenizer import CLS_ID, SEP_ID, Tokenizer
+from common.tokenizer import CLS_ID, SEP_ID, Tokenizer, open_tokenizer
 from finetune.config import BUILTIN_TASKS, FinetuneConfig, dump_toml
 from finetune.report import point_name, summarize, write_results
 from finetune.glue import Examples, TaskError, read_split, task_metrics
@@ -53,6 +53,7 @@ class Backbone:
     vocab_size: int
     encoder_state: dict | None
     tokenizer: Tokenizer
+    """common.tokenizer.Tokenizer or common.hf.HFTokenizer (a corpus built for an hf: aux model)."""
     source: dict
     home: Path
     """Default parent of the output folder: the checkpoint's run folder, else WORK_DIR/finetune."""
@@ -92,7 +93,7 @@ def load_backbone(checkpoint: str | None, manifest: str, init: str, corpus: str 
     else:
         config = load_manifest(manifest)
     corpus_dir = local_corpus(corpus or config.corpus_dir)  # a folder, or this machine's copy of an s3:// corpus
-    tokenizer = Tokenizer(corpus_dir / "tokenizer.model")
+    tokenizer = open_tokenizer(corpus_dir)  # ours (SentencePiece), or an hf: aux model's
     source = {"init": init, "tokenizer": str(tokenizer.path), "tokenizer_sha256": tokenizer.sha256,
               "model": dataclasses.asdict(config.model)}
     weights = None

@@ -130,6 +130,19 @@ def test_corpus_generate_train_with_an_hf_aux_of_each_family(hf_dirs, family, tm
     assert tok.source == str(dirs[family])
     if family == "bert":
         assert json.loads((config.run_dir / "summary.json").read_text())["steps"] == 4
+        # the run fine-tunes with the corpus's own (Hugging Face) tokenizer, as `make finetune` runs it
+        task, words = tmp_path / "task", " ".join(_texts(raw)).split()
+        task.mkdir()
+        for split, n in (("train", 16), ("dev", 8)):
+            (task / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(
+                f"{' '.join(words[8 * i:8 * i + 8])}\t{i % 2}\n" for i in range(n)))
+        result = subprocess.run([sys.executable, "-m", "finetune", "--checkpoint", str(config.run_dir), "--task",
+                                 str(task), "--out", str(tmp_path / "ft"), "--no-progress", "--set", "seeds=[1]",
+                                 "--set", "max_steps=2", "--set", "grid.lr=[1e-4]"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_with_repo)
+        assert result.returncode == 0, result.stderr[-3000:]
+        results = json.loads((tmp_path / "ft" / "results.json").read_text())
+        assert results["backbone"]["tokenizer"] == str(config.corpus_dir / "hf_tokenizer")
     data = json.loads((config.epochs_dir / "manifest.json").read_text())
     assert data["vocab_size"] == tok.vocab_size and data["tokenizer_sha256"] == corpus["tokenizer_sha256"]
     assert len(data["epochs"]) == 2
