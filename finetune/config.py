@@ -60,6 +60,8 @@ class TaskConfig:
             raise ConfigError(f"finetune.task.train_examples must be >= 0, got {self.train_examples}")
         if self.labels and len(set(self.labels)) != len(self.labels) or len(self.labels) == 1:
             raise ConfigError(f"finetune.task.labels must be at least 2 distinct names, got {self.labels}")
+        if self.metric == "f1" and len(self.labels) > 2:
+            raise ConfigError(f"finetune.task.metric = 'f1' needs a task of two labels, got {self.labels}")
 
     @property
     def selection_metric(self) -> str:

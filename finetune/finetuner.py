@@ -320,6 +320,9 @@ def finetune(cfg: FinetuneConfig, backbone: Backbone, out_dir: Path, tasks_dir: 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder, train, dev, label_names = load_task(cfg, tasks_dir)
     num_labels = 1 if cfg.task.regression else len(label_names)
+    if cfg.task.selection_metric == "f1" and num_labels != 2:  # F1 of the second class: binary tasks only
+        raise ConfigError(f"finetune.task.metric = 'f1' needs a task of two labels; {folder / cfg.task.train_file} "
+                          f"has {num_labels} ({', '.join(label_names)}): choose accuracy or matthews")
     task = {"folder": str(folder), "train_rows": len(train), "dev_rows": len(dev), "labels": label_names,
             "metric": cfg.task.selection_metric, "train_sha256": sha256_file(folder / cfg.task.train_file),
             "dev_sha256": sha256_file(folder / cfg.task.dev_file)}

@@ -369,6 +369,12 @@ def test_cli_errors_are_clear(backbone_files, tmp_path, capsys):
     assert "pass --checkpoint" in capsys.readouterr().err
     assert run_cli(backbone_files, tmp_path / "nowhere", tmp_path / "out") == 2
     assert "does not exist" in capsys.readouterr().err
+    three = write_task(tmp_path / "three", [("good", "2"), ("foul", "0"), ("fair", "1")], [("fine", "1")])
+    assert run_cli(backbone_files, three, tmp_path / "out3", "--set", "task.metric='f1'") == 2  # before any run
+    assert f"needs a task of two labels; {three / 'train.tsv'} has 3 (0, 1, 2)" in capsys.readouterr().err
+    assert not (tmp_path / "out3" / "runs").exists()
+    with pytest.raises(ConfigError, match="needs a task of two labels"):
+        resolve_config(None, ["task.metric='f1'", "task.labels=['a', 'b', 'c']"], str(three))
 
 
 # --- the built-in task ------------------------------------------------------------------
