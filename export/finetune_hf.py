@@ -24,16 +24,33 @@ import numpy as np
 
 
 def read_task_split(path: Path) -> tuple[list[str], list[int]]:
-    """(sentences, labels) of a `sentence<TAB>label` file with a header line."""
+    """(sentences, labels) of a `sentence<TAB>label` file with a header line; a bad line is named by number."""
     if not path.is_file():
         raise FileNotFoundError(f"task file {path} does not exist (python -m finetune.rotten_tomatoes --out DIR)")
-    lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    header = lines[0].split("\t")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    numbered = [(n, line.rstrip("\r")) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise ValueError(f"{path} is empty: it needs a 'sentence<TAB>label' header and rows")
+    header = numbered[0][1].split("\t")
     if "sentence" not in header or "label" not in header:
         raise ValueError(f"{path}: the header must name 'sentence' and 'label' columns, found {header}")
     text_col, label_col = header.index("sentence"), header.index("label")
-    rows = [line.split("\t") for line in lines[1:]]
-    return [r[text_col] for r in rows], [int(r[label_col]) for r in rows]
+    texts, labels = [], []
+    for n, line in numbered[1:]:
+        row = line.split("\t")
+        if len(row) <= max(text_col, label_col):
+            raise ValueError(f"{path}:{n} has {len(row)} column(s), the header {len(header)}")
+        try:
+            labels.append(int(row[label_col]))
+        except ValueError:
+            raise ValueError(f"{path}:{n}: the label {row[label_col]!r} is not an integer") from None
+        texts.append(row[text_col])
+    if not texts:
+        raise ValueError(f"{path} has a header but no rows")
+    return texts, labels
 
 
 def main(argv=None) -> int:
@@ -50,6 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
 
+    import torch
     import transformers
     task = Path(args.task)
     try:
@@ -79,7 +97,8 @@ def main(argv=None) -> int:
         output_dir=str(Path(args.out) / "trainer"), num_train_epochs=args.epochs, max_steps=args.max_steps,
         learning_rate=args.lr, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
         warmup_steps=0.1, weight_decay=0.01, eval_strategy="epoch" if args.max_steps < 0 else "no",
-        save_strategy="no", logging_steps=50, report_to="none", seed=args.seed)
+        save_strategy="no", logging_steps=50, report_to="none", seed=args.seed,
+        dataloader_pin_memory=torch.cuda.is_available())  # pinned host memory serves a GPU only
     trainer = transformers.Trainer(model=model, args=training, train_dataset=encode(train_texts, train_labels),
                                    eval_dataset=encode(dev_texts, dev_labels), compute_metrics=accuracy,
                                    data_collator=transformers.DataCollatorWithPadding(tokenizer))

@@ -479,3 +479,28 @@ def test_an_export_that_does_not_reproduce_the_model_is_not_published(exported, 
     with pytest.raises(exporter.ExportError, match="does not reproduce it.*nothing was written to " + re.escape(str(target))):
         export(from_run(out.parent / "run", data=out.parent / "epochs"), target, force=True, log=lambda *a: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and [p.name for p in target.iterdir()] == ["config.json"]
+
+
+def test_the_hf_trainer_example_fine_tunes_an_export_and_names_bad_task_lines(exported, tmp_path, capsys):
+    """export/finetune_hf.py as docs/export.md runs it: two updates on a small task, the fine-tuned model and
+    its summary written; a malformed task file is one error line naming the file and line, exit code 2."""
+    from export import finetune_hf
+    config, _, out = exported
+    texts = corpus_texts(config, 24)
+    task = tmp_path / "task"
+    task.mkdir()
+    for name, rows in (("train.tsv", texts[:16]), ("dev.tsv", texts[16:])):
+        (task / name).write_text("sentence\tlabel\n" + "".join(f"{t}\t{int('king' in t.lower())}\n" for t in rows))
+    assert finetune_hf.main(["--model", str(out), "--task", str(task), "--out", str(tmp_path / "ft"),
+                             "--max-steps", "2", "--batch-size", "8"]) == 0
+    summary = json.loads((tmp_path / "ft" / "finetune_hf.json").read_text())
+    assert summary["steps"] == 2 and summary["train_examples"] == 16 and 0 <= summary["dev_accuracy"] <= 1
+    assert load("AutoModelForSequenceClassification", tmp_path / "ft").num_labels == 2
+    capsys.readouterr()
+    for content, message in (("", "is empty"), ("sentence\tlabel\n", "has a header but no rows"),
+                             ("sentence\tlabel\na good day\t1\nno label\n", "train.tsv:3 has 1 column(s)"),
+                             ("sentence\tlabel\na good day\tpos\n", "train.tsv:2: the label 'pos' is not an integer")):
+        (task / "train.tsv").write_text(content)
+        assert finetune_hf.main(["--model", str(out), "--task", str(task), "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and str(task) in err, (content, err)
