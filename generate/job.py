@@ -153,9 +153,12 @@ def actor_plan(workers: int, gpus: int, tasks_in_flight: int = 0, actors_per_gpu
     """How many shard actors to start and their Ray options, for `workers` devices asked on a cluster with
     `gpus` GPUs (0: CPU actors, one per worker). A GPU is shared by `actors_per_gpu` actors, each a process
     with its own aux model: one actor's host side (Python, one interpreter lock) bounds what it can give
-    its GPU. Each runs `tasks_in_flight` shards at once (0: 2 on a GPU, 1 on a CPU)."""
+    its GPU. Each runs `tasks_in_flight` shards at once (0: 2 on a GPU, 1 on a CPU). A GPU's actors ask
+    for one CPU between them, as for the GPU: a local Ray holds a CPU per worker (`start_ray`), and k actors
+    asking a CPU each would leave all but one of every k unplaced, waiting forever."""
     depth = tasks_in_flight or (2 if gpus else 1)
-    options = {"num_cpus": 1, "num_gpus": 1 / actors_per_gpu if gpus else 0, "max_restarts": 3,
+    share = 1 / actors_per_gpu if gpus else 0
+    options = {"num_cpus": share or 1, "num_gpus": share, "max_restarts": 3,
                "max_task_retries": 3, "max_concurrency": depth}  # depth > 1: that many `run` calls at once, in threads
     if not gpus:
         return workers, options
@@ -205,6 +208,23 @@ def memory_problem(reports: list[dict], batch_tokens: int, actors_per_gpu: int, 
     return None
 
 
+def wait_until_placed(actors: list, options: dict, note_after: float = 60.0) -> None:
+    """Wait for every actor to hold its aux model. Ray waits for resources it lacks (an autoscaling cluster's
+    nodes may still come), saying so at most in its autoscaler's terms: say how many wait and why, every
+    `note_after` seconds."""
+    pending = [a.ready.remote() for a in actors]
+    waited = 0.0
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=note_after)
+        ray.get(done)  # an actor that failed to start raises here
+        waited += note_after
+        if pending:
+            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            print(f"generate: {len(pending)} of {len(actors)} actors not started after {waited:.0f} s; each asks "
+                  f"Ray for {options['num_cpus']:g} CPU and {options['num_gpus']:g} GPU, the cluster has {free} "
+                  f"free (lower --workers or [generate] actors_per_gpu, or add nodes)", flush=True)
+
+
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
@@ -224,7 +244,7 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
     try:
         # before any shard: what the actors will need at their peak against what each machine and GPU has free
         # once every actor holds its aux model
-        ray.get([a.ready.remote() for a in actors])
+        wait_until_placed(actors, options)
         in_flight = min(depth, -(-len(tasks) // max(count, 1)))  # the shards an actor can hold at once here
         reports = ray.get([a.memory.remote(max((t.count for t in tasks), default=0), seq_len, in_flight)
                            for a in actors])

@@ -1,6 +1,9 @@
 """The generator without Ray: the pure corruption function, the plan, and input checks."""
 import json
 import os
+import re
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -11,7 +14,7 @@ from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs
 from common.config import GenerateConfig, dump_toml
 from common.corpus import load_split
 from common.curriculum import num_to_mask
-from tests.conftest import temperature_at
+from tests.conftest import ROOT, temperature_at
 from common.sources import CorpusError
 from common.tokenizer import SPECIAL_IDS
 from generate.generator import OutputConflict, generate
@@ -199,13 +202,48 @@ def test_actors_share_a_gpu_as_asked_and_cpu_actors_are_one_per_worker(capsys):
     what it gives its GPU); workers count devices, never more than the cluster's GPUs; CPU actors ignore it."""
     from generate.job import actor_plan
     count, options = actor_plan(workers=2, gpus=8, actors_per_gpu=4)
-    assert count == 8 and options["num_gpus"] == 0.25 and options["max_concurrency"] == 2
+    assert count == 8 and options["num_gpus"] == options["num_cpus"] == 0.25 and options["max_concurrency"] == 2
     count, options = actor_plan(workers=16, gpus=8, tasks_in_flight=3, actors_per_gpu=2)
     assert count == 16 and options["num_gpus"] == 0.5 and options["max_concurrency"] == 3
     assert "16 workers asked, the cluster has 8 GPU(s); using 8" in capsys.readouterr().out
     count, options = actor_plan(workers=3, gpus=0, actors_per_gpu=4)
-    assert count == 3 and options["num_gpus"] == 0 and options["max_concurrency"] == 1
+    assert count == 3 and options["num_gpus"] == 0 and options["num_cpus"] == 1 and options["max_concurrency"] == 1
 
+
+PLACEMENT_PROBE = """
+import os, sys, threading, time
+import ray, torch
+torch.cuda.device_count = lambda: 1  # a 1-GPU machine as Ray sees it; the probes never touch a GPU
+from common.parallel import start_ray
+from generate.job import actor_plan, wait_until_placed
+
+@ray.remote
+class Probe:
+    def ready(self):
+        return True
+
+start_ray(None, 1)  # as `make generate-epochs` starts it there: a CPU per worker, the machine's GPUs
+count, options = actor_plan(1, 1, actors_per_gpu=3)
+wait_until_placed([Probe.options(**options).remote() for _ in range(count)], options, note_after=2)
+print("placed", count, flush=True)
+unplaceable = Probe.options(**{**options, "num_cpus": 2}).remote()
+threading.Thread(target=wait_until_placed, args=([unplaceable], {**options, "num_cpus": 2}, 2), daemon=True).start()
+time.sleep(5)
+os._exit(0)
+"""
+
+
+def test_a_gpus_actors_are_all_placed_on_a_local_ray_and_one_that_cannot_be_is_named(env_with_repo):
+    """`actors_per_gpu = 3` on a 1-GPU machine without --address (local Ray, one CPU per worker): all three
+    actors start (each asked a whole CPU before: two waited forever); an actor Ray cannot
+    place is reported with what it asks and what is free."""
+    result = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE], cwd=ROOT, env=env_with_repo,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "placed 3" in result.stdout, result.stdout[-3000:]
+    assert "not started after 2 s" not in result.stdout.split("placed 3")[0]
+    assert re.search(r"generate: 1 of 1 actors not started after \d+ s; each asks Ray for 2 CPU and 0.333+ GPU, "
+                     r"the cluster has \{.*'CPU': .*\} free \(lower --workers", result.stdout), result.stdout[-3000:]
 
 def test_a_shards_record_says_where_its_time_went(built, tmp_path):
     """`phase_seconds`: reading, masking, waiting for the device, the aux model and sampling, labels, writing;
