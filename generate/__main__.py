@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         aux = location(args.aux) if args.aux else config.aux_dir / AUX_FILE
         generate(config, out, corpus, aux, workers, args.address, args.force, verify=args.verify)
     except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError, FolderLocked,
-            DamagedFile, DiskFull, NodeProblem) as e:
+            DamagedFile, DiskFull, NodeProblem, PermissionError) as e:  # PermissionError: names the path
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

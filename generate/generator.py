@@ -14,6 +14,7 @@ or whose bytes do not match their record.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -32,6 +33,35 @@ from common.storage import is_remote, list_files, location, rmtree
 
 class OutputConflict(ValueError):
     """The output folder holds a different generation."""
+
+
+# what a folder of shards holds (the module's docstring; verified.json, the resolved manifest, a killed
+# writer's temporaries): --force deletes a folder only if it holds nothing else
+TOP_LEVEL = re.compile(r"(plan\.json|manifest\.json|progress\.jsonl|verified\.json|resolved_manifest\.toml"
+                       r"|valid|epoch-\d+|\..+\.tmp-.+)")
+IN_SPLIT = re.compile(r"(shard-\d+\.parquet|\..+\.tmp-.+)")
+
+
+def foreign_entries(out_dir) -> list[str]:
+    """The entries of `out_dir` (and of its split folders) that no generation writes."""
+    foreign = []
+    for entry in out_dir.iterdir():
+        if not TOP_LEVEL.fullmatch(entry.name) or (entry.name in (PLAN_FILE, MANIFEST_FILE) and entry.is_dir()):
+            foreign.append(entry.name)
+        elif entry.is_dir():
+            foreign += [f"{entry.name}/{e.name}" for e in entry.iterdir() if not IN_SPLIT.fullmatch(e.name)]
+    return sorted(foreign)
+
+
+def replace_shards(out_dir) -> None:
+    """--force: delete a folder of shards, refusing one that holds anything else (a mistyped --out that
+    happens to hold a plan.json or manifest.json of its own)."""
+    foreign = foreign_entries(out_dir)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputConflict(f"{out_dir} holds {shown}, which no generation writes: not replaced, even with --force; "
+                             f"use another --out")
+    rmtree(out_dir)
 
 
 def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: Path, force: bool) -> dict:
@@ -56,6 +86,8 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     plan = stream_plan(corpus["train"]["rows"], config)
     key = generation_key(config.seed, config.generate, corpus, aux["sha256"], plan.total_rows)
     plan_path = out_dir / PLAN_FILE
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputConflict(f"--out {out_dir} is a file, not a folder")
     if plan_path.is_file():
         try:
             existing = read_json(plan_path)
@@ -69,7 +101,7 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
                 raise OutputConflict(f"{out_dir} holds shards of a different generation (key "
                                      f"{existing.get('generation_key', '?')[:12]}, this run {key[:12]}); "
                                      f"use another --out or --force to replace them")
-            rmtree(out_dir)
+            replace_shards(out_dir)
     elif out_dir.exists() and any(out_dir.iterdir()):
         # --force replaces shard folders only: a mistyped --out (a corpus, a home folder) is never deleted
         shards = any((out_dir / name).is_file() for name in (MANIFEST_FILE, PROGRESS_FILE))
@@ -79,7 +111,7 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
         if not force:
             raise OutputConflict(f"{out_dir} holds shards of an unknown generation (no {PLAN_FILE}); use another "
                                  f"--out or --force to replace them")
-        rmtree(out_dir)
+        replace_shards(out_dir)
     return {"corpus": corpus, "aux": aux, "key": key, "plan": plan}
 
 

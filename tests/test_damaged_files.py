@@ -94,6 +94,22 @@ def test_force_never_deletes_a_folder_that_holds_no_shards(built, tmp_path):
         check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=False)
     check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=True)
     assert not shards.exists()
+    # a user's folder that happens to hold a plan.json or a manifest.json of its own is no folder of shards
+    for name, content in ((PLAN_FILE, '{"milestones": []}'), (PLAN_FILE, "not json"), (MANIFEST_FILE, '{"name": "app"}')):
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "thesis.tex").write_text("text")
+        (mine / "epoch-000").mkdir()
+        (mine / "epoch-000" / "notes.txt").write_text("text")
+        (mine / name).write_text(content)
+        with pytest.raises(OutputConflict, match=f"{mine} holds epoch-000/notes.txt, thesis.tex, which no generation "
+                                                 f"writes: not replaced, even with --force"):
+            check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, mine, force=True)
+        assert (mine / "thesis.tex").is_file() and (mine / name).is_file()
+        shutil.rmtree(mine)
+    (tmp_path / "afile").write_text("text")
+    with pytest.raises(OutputConflict, match=f"--out {tmp_path / 'afile'} is a file, not a folder"):
+        check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, tmp_path / "afile", force=True)
 
 
 def test_a_damaged_corpus_json_is_named_and_the_corpus_stage_builds_it_again(built, tmp_path):
