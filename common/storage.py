@@ -147,9 +147,24 @@ class ObjectPath:
         return self.read_bytes().decode()
 
     # writing: one upload per object (atomic), never a partial object under the key
+    def _put(self, fill) -> None:
+        """Write the object through `fill(stream)`. Closing a stream commits what it holds (an S3 upload
+        completes; so would its destructor, and Arrow offers no abort): if `fill` fails or is interrupted,
+        the object it began is deleted. A kill -9 commits nothing."""
+        out = self.fs.open_output_stream(self.key)
+        try:
+            fill(out)
+        except BaseException:
+            try:
+                out.close()
+                self.fs.delete_file(self.key)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+        out.close()
+
     def write_bytes(self, data: bytes) -> int:
-        with self.fs.open_output_stream(self.key) as out:
-            out.write(data)
+        self._put(lambda out: out.write(data))
         return len(data)
 
     def write_text(self, text: str) -> int:
@@ -158,11 +173,14 @@ class ObjectPath:
     def upload(self, local: str | Path) -> None:
         """Put the local file `local` under this key. The object exists only once the upload completes."""
         rate = float(os.environ.get(UPLOAD_RATE_ENV, "0"))
-        with open(local, "rb") as src, self.fs.open_output_stream(self.key) as out:
+
+        def fill(out) -> None:
             while block := src.read(1 << 16 if rate else 8 << 20):
                 out.write(block)
                 if rate:
                     time.sleep(len(block) / rate)
+        with open(local, "rb") as src:
+            self._put(fill)
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         """Object storage has no folders: a key's prefix exists once an object is under it."""

@@ -212,6 +212,31 @@ def test_a_cached_copy_is_reused_only_while_its_stamp_holds(s3, tmp_path):
         local_copy(remote, tmp_path / "other.bin", 1000, sha(first))  # the record says what is no longer there
 
 
+def test_an_upload_interrupted_by_an_exception_leaves_no_object(s3, tmp_path, monkeypatch):
+    """Closing an output stream commits it: an upload stopped by an exception (Ctrl-C, a read error) must not
+    leave the part it sent under the final key (a kill -9 is the generator test's case above)."""
+    import common.storage as storage
+    client, _ = s3
+    local = tmp_path / "shard.parquet"
+    local.write_bytes(os.urandom(1 << 20))
+    sleeps = []
+
+    def interrupted(seconds):  # the throttle's pause between blocks: Ctrl-C after the third block
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+    monkeypatch.setenv(UPLOAD_RATE_ENV, "1e9")
+    monkeypatch.setattr(storage.time, "sleep", interrupted)
+    remote = storage.location(f"s3://{BUCKET}/interrupted/shard.parquet")
+    with pytest.raises(KeyboardInterrupt):
+        remote.upload(local)
+    assert len(sleeps) == 3 and not remote.exists()
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix="interrupted/").get("Contents", [])
+    assert [o["Key"] for o in listed if o["Size"]] == []  # (Arrow may leave an empty folder marker)
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    remote.upload(local)  # and an uninterrupted one puts the whole file
+    assert client.get_object(Bucket=BUCKET, Key="interrupted/shard.parquet")["Body"].read() == local.read_bytes()
+
 def test_processes_of_one_machine_download_a_file_once_and_share_it(s3, tmp_path):
     """A node's Ray actors start together and each asks `local_copy` for the whole corpus: one downloads, the
     others wait for it and take its copy (each sees the same file, where before each renamed one of its own
