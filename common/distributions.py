@@ -121,20 +121,20 @@ def log_interpolation(log_easy: torch.Tensor, log_hard: torch.Tensor, gamma: tor
     return easy + hard
 
 
-def _uniform_rows(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _uniform_rows(probs: torch.Tensor, rows: torch.Tensor, reserved: Reserved = RESERVED) -> torch.Tensor:
     probs = probs.clone()
-    keep = non_special(probs.shape[1], probs.device)
+    keep = non_special(probs.shape[1], probs.device, reserved)
     probs[rows] = keep.float() / keep.sum()
     return probs
 
 
-def replacement_probs(log_weights: torch.Tensor) -> torch.Tensor:
-    """The distribution a row of log-weights stands for: softmax in fp32, zero on special tokens,
-    uniform where nothing is left. Rows sum to 1."""
-    x = _fill_reserved(log_weights.to(torch.float32, copy=True), RESERVED, float("-inf"))
+def replacement_probs(log_weights: torch.Tensor, reserved: Reserved = RESERVED) -> torch.Tensor:
+    """The distribution a row of log-weights stands for: softmax in fp32, zero on the reserved ids (the
+    specials; an hf: tokenizer's unused entries too), uniform where nothing is left. Rows sum to 1."""
+    x = _fill_reserved(log_weights.to(torch.float32, copy=True), reserved, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     dead = ~(probs.sum(dim=-1) > 0)  # NaN or no mass
-    return _uniform_rows(probs, dead) if dead.any() else probs
+    return _uniform_rows(probs, dead, reserved) if dead.any() else probs
 
 
 def _inverse_cdf(log_weights: torch.Tensor, uniforms: torch.Tensor, reserved: Reserved = RESERVED,

@@ -3,7 +3,8 @@
 Columns use native Arrow list types; every file is written atomically.
 
 The shard encoding (ids in frequency order, BYTE_STREAM_SPLIT, labels bit-packed as list<bool>,
-zstd 19) was chosen by measuring bytes per token (docs/design.md, shard schema).
+zstd at `[generate] zstd_level`: 19 by default, 15 for base and large) was chosen by measuring bytes per
+token and seconds (docs/design.md, shard schema; docs/benchmarks.md, the zstd table).
 """
 from __future__ import annotations
 

@@ -275,11 +275,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     t0 = time.time()
     # paths the actors resolve on their own machine (URIs stay URIs)
     actor_args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()),
-                  "out_dir": str(out_dir.resolve()), "seed": config.seed, "mask_prob": config.generate.mask_prob,
-                  "batch_tokens": config.generate.batch_tokens, "threads": config.generate.threads_per_worker,
-                  "zstd_level": config.generate.zstd_level, "row_group_rows": config.generate.rows_per_row_group,
-                  "curriculum": {"distribution": config.generate.distribution, "augmentation": config.generate.augmentation,
-                                 "soh_alpha": config.generate.soh_alpha}}
+                  "out_dir": str(out_dir.resolve()), "seed": config.seed, "generate": config.generate}
     records = run_tasks(todo, workers, actor_args, out_dir, address, config.generate.tasks_in_flight,
                         config.generate.actors_per_gpu, corpus["max_seq_len"]) if todo else []
     seconds = time.time() - t0

@@ -20,7 +20,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from common.config import ConfigError
+from common.config import ConfigError, GenerateConfig
 from common.io import DiskFull, append_record, file_stamp, read_records
 from common.corpus import CORPUS_META
 from common.parallel import NodeProblem, start_ray as common_start_ray
@@ -35,36 +35,30 @@ MEMORY_ENV = "FAST_ELECTRA_MEMORY_BYTES"  # bytes free on every machine and GPU,
 
 @ray.remote
 class ShardActor:
-    def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, mask_prob: float,
-                 batch_tokens: int, threads: int, zstd_level: int, curriculum: dict | None = None,
-                 row_group_rows: int = 0):
+    def __init__(self, aux_path: str, corpus_dir: str, out_dir: str, seed: int, generate: GenerateConfig):
         self.problem = node_problem(out_dir, corpus_dir, aux_path)
         if self.problem:  # said by the first task (an error here would have Ray restart the actor, then a trace)
             return
         from common.checkpoint import IncompatibleInputs
         from common.sources import CorpusError
         try:  # what the checks above cannot see: an hf: aux model's own folder, a part of the corpus
-            self._start(aux_path, corpus_dir, out_dir, seed, mask_prob, batch_tokens, threads, zstd_level,
-                        curriculum, row_group_rows)
+            self._start(aux_path, corpus_dir, out_dir, seed, generate)
         except (OSError, CorpusError, IncompatibleInputs) as e:
             self.problem = (f"an actor on Ray node {socket.gethostname()} cannot load its inputs: {e} (every node "
                             f"must see the driver's folders at the same paths, or use object storage)")
 
-    def _start(self, aux_path, corpus_dir, out_dir, seed, mask_prob, batch_tokens, threads, zstd_level, curriculum,
-               row_group_rows) -> None:
+    def _start(self, aux_path, corpus_dir, out_dir, seed: int, cfg: GenerateConfig) -> None:
         from common.checkpoint import local_aux
-        from common.corpus import SplitRows, local_corpus, term_counts
-        from common.corrupt import Corruptor, needs_term_counts
+        from common.corpus import SplitRows, local_corpus
+        from common.corrupt import Corruptor
         from generate.worker import ShardWriter
         corpus_dir, aux_path = local_corpus(corpus_dir), local_aux(aux_path)  # this machine's copies
-        torch.set_num_threads(threads)
+        torch.set_num_threads(cfg.threads_per_worker)
         device = "cuda" if ray.get_gpu_ids() else "cpu"
-        curriculum = dict(curriculum or {})  # distribution, augmentation, soh_alpha (GenerateConfig)
-        if needs_term_counts(curriculum.get("distribution", "aux"), curriculum.get("augmentation", "temperature")):
-            curriculum["term_counts"] = term_counts(corpus_dir)  # stored beside the corpus by the driver
-        corruptor = Corruptor(aux_path, seed, mask_prob, batch_tokens, device=device, **curriculum)
+        # the one way a manifest makes its Corruptor, as fast-online's does (its rows are the shards' bit for bit)
+        corruptor = Corruptor.from_config(aux_path, seed, cfg, corpus_dir, device)
         rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # read by position
-        self.writer = ShardWriter(rows, corruptor, out_dir, zstd_level, row_group_rows)
+        self.writer = ShardWriter(rows, corruptor, out_dir, cfg.zstd_level, cfg.rows_per_row_group)
         self.device, self.device_model = device, device_model(device)
         self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time
 
@@ -248,7 +242,7 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
         in_flight = min(depth, -(-len(tasks) // max(count, 1)))  # the shards an actor can hold at once here
         reports = ray.get([a.memory.remote(max((t.count for t in tasks), default=0), seq_len, in_flight)
                            for a in actors])
-        problem = memory_problem([r for r in reports if r], actor_args["batch_tokens"], actors_per_gpu,
+        problem = memory_problem([r for r in reports if r], actor_args["generate"].batch_tokens, actors_per_gpu,
                                  os.environ.get(MEMORY_ENV))
         if problem:
             raise ConfigError(problem)

@@ -27,7 +27,7 @@ from common.distributions import (aux_log_probs, replacement_probs, smoothed_one
                                   term_frequency_log_probs, uniform_log_probs)
 from common.io import DamagedFile, atomic_path
 from common.sources import CorpusError
-from common.tokenizer import CLS_ID, MASK_ID, SEP_ID, SPECIAL_IDS, Tokenizer
+from common.tokenizer import CLS_ID, MASK_ID, SEP_ID, Tokenizer, open_tokenizer
 
 # Paper section 5.1, footnote: a quote from Clark et al. (2020), "[large]" is the replaced token.
 EXAMPLE = ("most current training methods require", "large", "amounts of compute to be effective")
@@ -74,10 +74,15 @@ def plot_schedules(path: Path) -> Path:
 def example_distributions(model, tok: Tokenizer, counts: np.ndarray, temperatures=(1.0, 2.0, 4.0),
                           alpha: float = 0.35) -> dict:
     """Section 5.1 figure: replaced-token probabilities (V,) at the first piece of the example's masked
-    word, per distribution; plus `original` (its id) and `rank` (token ids by corpus frequency)."""
+    word, per distribution; plus `original` (its id) and `rank` (token ids by corpus frequency). `tok`: ours,
+    or an hf: aux model's (common.hf.HFTokenizer), whose reserved ids get no mass, as in the generator."""
+    reserved = tok.reserved
     before, word, after = EXAMPLE
     prefix, with_word = tok.encode(before), tok.encode(f"{before} {word}")
     ids = [CLS_ID, *tok.encode(f"{before} {word} {after}"), SEP_ID]
+    limit = getattr(model, "max_positions", 0)  # an hf: model's position table; ours has none
+    if limit and len(ids) > limit:  # its right context cut to fit
+        ids = ids[:limit - 1] + [SEP_ID]
     positions = list(range(1 + len(prefix), 1 + len(with_word)))
     original = ids[positions[0]]
     masked = torch.tensor([ids])
@@ -87,17 +92,19 @@ def example_distributions(model, tok: Tokenizer, counts: np.ndarray, temperature
     with torch.no_grad():
         logits = model(masked, torch.ones_like(masked, dtype=torch.bool), flags)
     vocab = logits.shape[1]
-    out = {"uniform": replacement_probs(uniform_log_probs(1, vocab)),
-           "term frequency": replacement_probs(term_frequency_log_probs(counts)[None]),
+    out = {"uniform": replacement_probs(uniform_log_probs(1, vocab, reserved=reserved), reserved),
+           "term frequency": replacement_probs(term_frequency_log_probs(counts)[None], reserved),
            f"smoothed one-hot (alpha = {alpha:g})": replacement_probs(
-               smoothed_one_hot_log_probs(torch.tensor([original]), vocab, alpha))}
+               smoothed_one_hot_log_probs(torch.tensor([original]), vocab, alpha, reserved), reserved)}
     for t in temperatures:
-        out[f"aux model, T = {t:g}"] = replacement_probs(temperature_scaled(aux_log_probs(logits), torch.tensor([t])))
+        out[f"aux model, T = {t:g}"] = replacement_probs(
+            temperature_scaled(aux_log_probs(logits, reserved), torch.tensor([t])), reserved)
     dists = {name: p[0].numpy() for name, p in out.items()}
     keys = counts.astype(np.float64).copy()
-    keys[list(SPECIAL_IDS)] = -1.0  # specials last: they are in no distribution
+    stop = reserved.stop(vocab)
+    keys[:reserved.head], keys[stop:] = -1.0, -1.0  # reserved ids last: they are in no distribution
     return {"distributions": dists, "original": original, "word": word,
-            "rank": np.argsort(-keys, kind="stable")[:vocab - len(SPECIAL_IDS)]}
+            "rank": np.argsort(-keys, kind="stable")[:stop - reserved.head]}
 
 
 def plot_distributions(example: dict, path: Path) -> Path:
@@ -140,7 +147,7 @@ def main(argv=None) -> int:
         corpus = Path(args.corpus) if args.corpus else config.corpus_dir
         aux = Path(args.aux) if args.aux else config.aux_dir / AUX_FILE
         model, _ = load_aux(aux)
-        example = example_distributions(model, Tokenizer(corpus / "tokenizer.model"), term_counts(corpus),
+        example = example_distributions(model, open_tokenizer(corpus), term_counts(corpus),
                                         alpha=config.generate.soh_alpha)
         paths = [plot_schedules(out / "schedules.png"), plot_distributions(example, out / "replaced_token_distributions.png")]
     except (ConfigError, CorpusError, IncompatibleInputs, FileNotFoundError, DamagedFile) as e:

@@ -19,7 +19,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from common.checkpoint import AUX_FILE, load_aux  # noqa: E402
 from common.config import dump_toml  # noqa: E402
-from common.corpus import SplitRows, load_corpus_meta  # noqa: E402
+from common.corpus import SplitRows, load_corpus_meta, term_counts  # noqa: E402
 from common.corrupt import Corruptor  # noqa: E402
 from common.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEP_ID, UNK_ID, open_tokenizer  # noqa: E402
 from tests.conftest import ROOT, tiny_config, write_text_corpus  # noqa: E402
@@ -197,6 +197,17 @@ def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family,
     flags[0, 1:4] = True
     logits = model(ids, torch.ones_like(flags), flags)
     assert logits.shape == (3, tok.vocab_size)  # masked positions only, our columns only (no padded rows)
+    # `make plots` on this corpus: the section 5.1 figure's distributions give the reserved ids no mass either
+    from generate.plots import example_distributions, main as plots
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(config))
+    assert plots(["--manifest", str(manifest), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "replaced_token_distributions.png").read_bytes()[:4] == b"\x89PNG"
+    example = example_distributions(model, tok, term_counts(config.corpus_dir))
+    for name, probs in example["distributions"].items():
+        assert abs(float(probs.sum()) - 1) < 1e-5 and probs[:tok.reserved.head].sum() == 0, name
+        assert probs[stop:].sum() == 0, (name, float(probs[stop:].sum()))
+    assert sorted(example["rank"].tolist()) == list(range(tok.reserved.head, stop))
 
 
 def test_frequent_pieces_get_the_smallest_ids_and_the_reserved_block_the_largest(hf_dirs, tmp_path):
