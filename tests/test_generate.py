@@ -116,8 +116,9 @@ from generate.generator import generate
 from generate.job import run_tasks
 config = load_manifest({str(manifest)!r})
 g = config.generate
+import dataclasses
 args = dict(aux_path={str(built.aux_dir / AUX_FILE)!r}, corpus_dir={str(built.corpus_dir)!r}, seed=config.seed,
-            mask_prob=g.mask_prob, batch_tokens=g.batch_tokens, threads=1, zstd_level=1)
+            generate=dataclasses.replace(g, threads_per_worker=1, zstd_level=1))
 task = plan_tasks(100, 0, g, config.seed)[:1]
 out = {str(tmp_path / "node-local")!r}  # a folder the driver wrote no plan.json in: what another node sees
 try:
@@ -176,8 +177,9 @@ next(Path(partial).glob("train/*.tokens.npy")).unlink()
 out = Path({str(tmp_path / "written")!r})
 out.mkdir()
 (out / "plan.json").write_text("{{}}")  # the driver's folder, seen
+import dataclasses
 args = dict(aux_path={str(built.aux_dir / AUX_FILE)!r}, corpus_dir=partial, out_dir=str(out), seed=config.seed,
-            mask_prob=g.mask_prob, batch_tokens=g.batch_tokens, threads=1, zstd_level=1)
+            generate=dataclasses.replace(g, threads_per_worker=1, zstd_level=1))
 try:
     run_tasks(plan_tasks(100, 0, g, config.seed)[:1], 1, args, out)
 except NodeProblem as e:
