@@ -89,8 +89,7 @@ def worker_scaling(config, corpus_dir: Path, aux_path: Path, rows_per_epoch: int
     out = {}
     start_ray(None, 2)
     args = {"aux_path": str(aux_path.resolve()), "corpus_dir": str(corpus_dir.resolve()), "seed": config.seed,
-            "mask_prob": g.mask_prob, "batch_tokens": g.batch_tokens, "threads": g.threads_per_worker,
-            "zstd_level": g.zstd_level}
+            "generate": g}
     for workers in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / PLAN_FILE).write_text("{}\n")  # what each actor looks for to know it sees the folder

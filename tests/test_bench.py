@@ -7,6 +7,7 @@ import torch
 
 from bench import train as bench_train
 from bench.efficiency import design_ratios
+from common.config import config_to_dict
 import train.trainer as trainer
 
 DESIGN_KEYS = {"train": ["step_vs_inmemory", "loader_vs_consumption"],
@@ -180,3 +181,21 @@ def test_bench_gpu_counts_the_aux_forward_as_generation_runs_it(tmp_path):
     from tests.conftest import tiny_config
     per_row = 2 * (196_608 + 131_072 + 6_144 + 65_536 + 262_144)
     assert gpu.aux_forward_flops(tiny_config(tmp_path), rows=3, masked=5) == 3 * per_row + 5 * 22_528
+
+
+@pytest.mark.slow
+def test_bench_generates_worker_scaling_runs_the_generators_ray_job(built, env_with_repo):
+    """`make bench-generate`'s 1 vs 2 actor figure drives generate.job.run_tasks with the actors' own
+    arguments: the same plan's tokens with each count (a changed actor signature would stop it)."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    script = (f"import json; from common.config import config_from_dict; from bench.generate import worker_scaling; "
+              f"from pathlib import Path; c = config_from_dict(json.loads({json.dumps(config_to_dict(built))!r})); "
+              f"print(json.dumps(worker_scaling(c, Path({str(built.corpus_dir)!r}), "
+              f"Path({str(built.aux_dir / 'aux.pt')!r}), rows_per_epoch=120)))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env_with_repo, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["tokens"] > 0 and out["workers_1_tokens_per_s"] > 0 and out["workers_2_tokens_per_s"] > 0
