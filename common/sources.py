@@ -104,10 +104,12 @@ def document_hash(text: str, seed: int) -> int:
                           "little")
 
 
-def check_text(text: str, where: str) -> str:
-    """`text` if it reads as text; a CorpusError naming `where` if it is mostly control characters."""
+def check_text(text: str, where) -> str:
+    """`text` if it reads as text; a CorpusError naming `where` (a string, or a function giving it: a line
+    number can cost a read of the file up to it) if it is mostly control characters."""
     controls = len(_CONTROL.findall(text))
     if controls > MAX_CONTROL_FRACTION * max(len(text), 1):
+        where = where() if callable(where) else where
         raise CorpusError(f"{where} is not text: {controls} of its {len(text)} characters are control "
                           f"characters (a binary file?); remove it from the corpus")
     return text
@@ -209,6 +211,9 @@ def _kind(path: Path) -> str | None:
 
 def source_files(source: str, cache_dir: str | Path) -> list[SourceFile]:
     """The files of a source, sorted by name; 'shakespeare' is the embedded default."""
+    if "://" in source:  # Path() would fold s3://b/p into s3:/b/p and say it does not exist
+        raise CorpusError(f"corpus source {source}: sources are read from this machine's file system (a folder or "
+                          f"a file); copy it here first (the built corpus can go to object storage: --out)")
     path = shakespeare_folder(cache_dir) if source == "shakespeare" else Path(source)
     if not path.exists():
         raise CorpusError(f"corpus source {path} does not exist")
@@ -231,7 +236,7 @@ def source_files(source: str, cache_dir: str | Path) -> list[SourceFile]:
 def _pieces(file: SourceFile, unit_bytes: int) -> list[tuple[Piece, int]]:
     """(piece, bytes) of one file: large plain .jsonl and .txt files in byte ranges (cut at line starts
     when read), Parquet in row groups. A gzip file is one piece, read as a stream."""
-    if file.kind in ("jsonl", "txt") and not file.path.endswith(".gz") and file.size > unit_bytes:
+    if file.kind in ("jsonl", "txt") and not file.path.lower().endswith(".gz") and file.size > unit_bytes:
         return [(Piece(file, start, min(start + unit_bytes, file.size)), min(unit_bytes, file.size - start))
                 for start in range(0, file.size, unit_bytes)]
     if file.kind == "parquet":
@@ -282,7 +287,7 @@ def _line_number(path: str, offset: int) -> int:
 def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
     """(line number or None, byte offset, raw line) of the lines that start inside the piece."""
     path = piece.file.path
-    if path.endswith(".gz"):
+    if path.lower().endswith(".gz"):
         with gzip.open(path, "rb") as f:
             for number, line in enumerate(f, 1):
                 yield number, -1, line
@@ -315,14 +320,22 @@ def _jsonl_document(line: bytes, text_column: str, where) -> str:
     text = record[text_column]
     if not isinstance(text, str):
         raise CorpusError(f"{where()}: {text_column!r} is {type(text).__name__}, not a string")
-    return check_text(text, where())
+    return check_text(text, where)
 
 
 def _read_jsonl(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:
-    for number, offset, line in _jsonl_lines(piece):
+    path, first = piece.file.path, {}  # a plain file's line numbers: counted from the piece's first line, once
+
+    def line_of(number, index, offset) -> int:
+        if number:
+            return number
+        if "line" not in first:  # an error's line number: the file read up to the piece once, not per line
+            first["line"] = _line_number(path, offset) - index
+        return first["line"] + index
+    for index, (number, offset, line) in enumerate(_jsonl_lines(piece)):
         if not line.strip():
             continue
-        where = lambda: f"{piece.file.path}:{number or _line_number(piece.file.path, offset)}"
+        where = lambda: f"{path}:{line_of(number, index, offset)}"  # noqa: E731 - called on an error only
         try:
             yield Document(f"{piece.file.name}:{number or offset}", _jsonl_document(line, text_column, where))
         except CorpusError as e:
@@ -380,7 +393,7 @@ def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
         except CorpusError as e:
             yield e
     else:
-        opener = gzip.open if piece.file.path.endswith(".gz") else open
+        opener = gzip.open if piece.file.path.lower().endswith(".gz") else open
         try:
             with opener(piece.file.path, "rb") as f:
                 raw = f.read()

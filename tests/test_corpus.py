@@ -98,6 +98,39 @@ def test_a_malformed_jsonl_line_is_refused_naming_file_and_line(tmp_path, line, 
         [d for u in units for d in read_unit(u, "text")]
 
 
+def test_a_plain_jsonl_is_read_once_and_bad_lines_in_later_ranges_are_named_by_line(tmp_path, monkeypatch):
+    """A plain .jsonl's good lines cost no line count (it read the file from byte 0 for every line: a
+    16 GB file would never finish); a bad line, skipped, is named by its line in the whole file."""
+    import common.sources as sources
+    counted = []
+    real = sources._line_number
+    monkeypatch.setattr(sources, "_line_number", lambda path, offset: counted.append(offset) or real(path, offset))
+    path = tmp_path / "c.jsonl"
+    lines = [f'{{"text": "document {i}"}}' for i in range(3000)]
+    lines[2500], lines[2900] = '{"text": 1}', "{broken"
+    path.write_text("\n".join(lines) + "\n")
+    units = work_units(source_files(str(path), tmp_path), unit_bytes=20_000)
+    assert len(units) > 3
+    skipped = []
+    docs = [d for u in units for d in read_unit(u, "text", skipped)]
+    assert len(docs) == 2998 and docs[-1].text == "document 2999"
+    assert [str(e).split(" ")[0] for e in skipped] == [f"{path}:2501:", f"{path}:2901"]
+    assert len(counted) <= 2  # once per range that holds a bad line, not once per line
+
+
+def test_upper_case_gzip_names_are_read_as_gzip(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with gzip.open(raw / "DATA.JSONL.GZ", "wt") as f:
+        f.write('{"text": "from the jsonl"}\n')
+    with gzip.open(raw / "NOTES.TXT.GZ", "wt") as f:
+        f.write("from the text file\n")
+    units = work_units(source_files(str(raw), tmp_path), unit_bytes=10)
+    assert sorted(d.text.strip() for u in units for d in read_unit(u, "text")) == ["from the jsonl",
+                                                                                  "from the text file"]
+    with pytest.raises(CorpusError, match="corpus source s3://bucket/raw: sources are read from this machine's"):
+        source_files("s3://bucket/raw", tmp_path)
+
 def test_build_corpus_rows_stay_inside_their_document(tmp_path):
     write_text_corpus(tmp_path / "raw", num_docs=5)
     config = tiny_config(tmp_path)
