@@ -265,6 +265,11 @@ class HFMaskedLM(nn.Module):
     def __init__(self, path: Path, hf_of: np.ndarray, input_names=("input_ids", "attention_mask")):
         super().__init__()
         self.model = load_masked_lm(path)
+        rows = [m.weight.shape[0] for m in (self.model.get_input_embeddings(), self.model.get_output_embeddings())
+                if m is not None and getattr(m, "weight", None) is not None]
+        if len(hf_of) and rows and int(np.max(hf_of)) >= min(rows):  # an index error deep in the generator else
+            raise HFError(f"{path}: its tokenizer has ids up to {int(np.max(hf_of))}, but the model's vocabulary has "
+                          f"{min(rows)} entries: the tokenizer is not this model's")
         self.head = [child for name, child in self.model.named_children() if name != self.model.base_model_prefix]
         self.register_buffer("hf_of", torch.as_tensor(hf_of, dtype=torch.long), persistent=False)
         self.token_types = "token_type_ids" in input_names and getattr(self.model.config, "type_vocab_size", 0) > 0

@@ -69,8 +69,12 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
             "corpus": {k: v for k, v in config_to_dict(config)["corpus"].items() if k != "source"},
             "tokenizer": config_to_dict(config)["tokenizer"], "seed": config.seed}
     source = hf.hf_dir(config.aux.source)
-    if source is not None:  # an hf: aux model's tokenizer: its files are the tokenizer
-        blob["tokenizer"] = {"hf": hf.tokenizer_sha256(source)}
+    if source is not None:  # an hf: aux model's tokenizer: its files, and the sample that orders its ids
+        if not source.is_dir():
+            raise CorpusError(f"[aux] source = {config.aux.source!r}: {source} is not a folder (a Hugging Face "
+                              f"model directory: config, weights, tokenizer)")
+        blob["tokenizer"] = {"hf": hf.tokenizer_sha256(source), "max_sentences": config.tokenizer.max_sentences,
+                             "max_sample_mb": config.tokenizer.max_sample_mb}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
@@ -596,6 +600,8 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     files = source_files(source, cache_dir=out_dir.parent / "downloads")
     units = work_units(files, max(1, int(cfg.unit_mb * 2**20)))
     total_bytes = sum(u.bytes for u in units)
+    if not total_bytes:
+        raise CorpusError(f"corpus source {source} holds no text: its {len(files)} file(s) are empty")
     key = build_key(config, files)
     staging = out_dir.with_name(f".{out_dir.name}.staging")
     if staging.is_dir() and _staged_key(staging) != key:

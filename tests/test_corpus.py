@@ -118,6 +118,15 @@ def test_a_plain_jsonl_is_read_once_and_bad_lines_in_later_ranges_are_named_by_l
     assert len(counted) <= 2  # once per range that holds a bad line, not once per line
 
 
+def test_a_source_of_empty_files_is_one_error_and_leaves_nothing(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("")
+    (tmp_path / "raw" / "b.jsonl").write_text("")
+    config = tiny_config(tmp_path)
+    with pytest.raises(CorpusError, match=f"corpus source {tmp_path / 'raw'} holds no text: its 2 file"):
+        build_corpus(config, config.corpus_dir, **quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
+
 def test_upper_case_gzip_names_are_read_as_gzip(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()

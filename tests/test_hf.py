@@ -165,6 +165,16 @@ def _built(hf_dirs, family, tmp_path):
     return config
 
 
+def test_an_hf_corpus_is_rebuilt_when_the_sample_that_orders_its_ids_changes(hf_dirs, tmp_path):
+    """The hf: tokenizer's ids are ordered by piece counts on the corpus sample: [tokenizer] max_sentences
+    and max_sample_mb decide the bytes, so they stay in the corpus key (vocab_size does not apply)."""
+    from corpus.build import corpus_is_current
+    config = _built(hf_dirs, "bert", tmp_path)
+    current = lambda **t: corpus_is_current(dataclasses.replace(  # noqa: E731
+        config, tokenizer=dataclasses.replace(config.tokenizer, **t)), config.corpus_dir, config.corpus.source)
+    assert current() and current(vocab_size=999)
+    assert not current(max_sentences=3) and not current(max_sample_mb=0.001)
+
 @pytest.mark.parametrize("family", ("bert", "roberta"))
 def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family, tmp_path):
     config = _built(hf_dirs, family, tmp_path)
@@ -240,17 +250,28 @@ def test_bad_hf_directories_stop_before_any_work(hf_dirs, tmp_path, capsys):
     short = tmp_path / "short"  # 16 positions, rows of 32 tokens
     make_model("bert", 300, 0, short, positions=16)
     transformers.AutoTokenizer.from_pretrained(str(dirs["bert"])).save_pretrained(str(short))
-    cases = {plain: "no masked-LM head", no_tokenizer: "holds no tokenizer", short: "beyond the 16 positions"}
+    small = tmp_path / "small"  # the tokenizer's ids past the model's vocabulary
+    tok = transformers.AutoTokenizer.from_pretrained(str(dirs["bert"]))
+    make_model("bert", len(tok) - 30, 0, small)
+    tok.save_pretrained(str(small))
+    cases = {plain: "no masked-LM head", no_tokenizer: "holds no tokenizer", short: "beyond the 16 positions",
+             small: f"its tokenizer has ids up to {len(tok) - 1}, but the model's vocabulary has {len(tok) - 22}"}
     for folder, message in cases.items():
         config = _config(tmp_path / f"work-{folder.name}", raw, folder)
         manifest = tmp_path / f"{folder.name}.toml"
         manifest.write_text(dump_toml(config))
         code = corpus_main(["--manifest", str(manifest), "--workers", "1"])
-        if folder is plain:  # the corpus only needs its tokenizer; the aux stage finds the missing head
+        if folder in (plain, small):  # the corpus only needs its tokenizer; the aux stage finds the model's fault
             assert code == 0, capsys.readouterr().err[-2000:]
             code = aux_main(["--manifest", str(manifest)])
         err = capsys.readouterr().err
         assert code == 2, (folder.name, err[-2000:])
         assert message in err and str(folder) in err and "Traceback" not in err
-        if folder is not plain:
+        if folder not in (plain, small):
             assert not config.corpus_dir.exists()  # nothing was built
+    # a mistyped hf: path where a corpus was built: one line, not the corpus key's traceback
+    mistyped = dataclasses.replace(config, aux=dataclasses.replace(config.aux, source=f"hf:{tmp_path / 'bret'}"))
+    manifest.write_text(dump_toml(mistyped))
+    assert corpus_main(["--manifest", str(manifest), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'bret'} is not a folder" in err and "Traceback" not in err, err[-2000:]
