@@ -126,7 +126,7 @@ def use_hf_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print) ->
                           f"positions of the aux model in {source}")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = save_hf_aux(source, tok.hf_of.tolist(), tok.reserved, meta["tokenizer_sha256"], out_dir,
-                       hf.files_sha256(source, hf.MODEL_FILES))
+                       hf.files_sha256(source, hf.model_files(source)))
     save_resolved(config, out_dir)
     log(f"aux: {type(model.model).__name__} from {source} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
         f"parameters), vocabulary {tok.vocab_size} of which {tok.reserved.head + tok.reserved.tail} never sampled "
@@ -146,7 +146,7 @@ def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
         source = hf.hf_dir(config.aux.source)
         return (meta.get("kind") == "hf" and source is not None and meta["source"] == str(source)
                 and meta["tokenizer_sha256"] == corpus["tokenizer_sha256"]
-                and meta["model_sha256"] == hf.files_sha256(source, hf.MODEL_FILES)
+                and meta["model_sha256"] == hf.files_sha256(source, hf.model_files(source))
                 and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
     return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
             and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps

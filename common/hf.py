@@ -33,7 +33,6 @@ from common.vocab import Reserved
 PREFIX = "hf:"
 TOKENIZER_DIR = "hf_tokenizer"  # the tokenizer's own files, copied into the corpus folder
 UNUSED = re.compile(r"^(\[unused\d+\]|<unused\d+>)$")
-MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt", ".onnx")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spm.model", "sentencepiece.bpe.model", "tokenizer.model")
 
@@ -155,6 +154,24 @@ def files_sha256(folder: Path, names=None) -> str:
     """One hash over the named files of a folder (all its files when `names` is None), names included."""
     paths = sorted(p for p in folder.iterdir() if p.is_file() and (names is None or p.name in names))
     return hashlib.sha256(json.dumps([[p.name, sha256_file(p)] for p in paths]).encode()).hexdigest()
+
+
+def model_files(folder: Path) -> set[str]:
+    """config.json and the weight files transformers loads from `folder`, in its order: model.safetensors,
+    its sharded form (model.safetensors.index.json and the shards it names), then pytorch_model.bin and its
+    sharded form. What the aux model's hash covers (`model_sha256`): new weights, a new generation key."""
+    names = {"config.json"}
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return names | {single}
+        index = folder / f"{single}.index.json"
+        if index.is_file():
+            try:
+                shards = set(json.loads(index.read_text())["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise HFError(f"{index} is not a weight index transformers can read ({e})") from None
+            return names | {index.name} | shards
+    return names
 
 
 def tokenizer_sha256(folder: Path) -> str:

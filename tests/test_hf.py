@@ -165,6 +165,33 @@ def _built(hf_dirs, family, tmp_path):
     return config
 
 
+def test_new_weights_in_a_sharded_model_make_the_aux_record_stale(hf_dirs, tmp_path):
+    """A model saved in shards (model-0000k-of-N.safetensors and their index, as large hub models are): its
+    hash covers the shards, so weights replaced under the same names are a new aux model (a new generation
+    key), not the old record reused."""
+    import shutil
+    from auxiliary.mlm import aux_is_current, use_hf_aux
+    from corpus.build import build_corpus
+    raw, dirs = hf_dirs
+    source = shutil.copytree(dirs["bert"], tmp_path / "sharded")
+    (source / "model.safetensors").unlink()
+    tok = transformers.AutoTokenizer.from_pretrained(str(source))
+    make_model("bert", len(tok), tok.pad_token_id, tmp_path / "scratch").save_pretrained(str(source),
+                                                                                       max_shard_size="100KB")
+    shards = sorted(p.name for p in source.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (source / "model.safetensors.index.json").is_file()
+    config = _config(tmp_path / "work", raw, source)
+    build_corpus(config, config.corpus_dir, workers=1, log=lambda *a: None)
+    use_hf_aux(config, config.corpus_dir, config.aux_dir, log=lambda *a: None)
+    assert aux_is_current(config, config.corpus_dir, config.aux_dir)
+    torch.manual_seed(1)
+    model = transformers.BertForMaskedLM.from_pretrained(str(source))
+    with torch.no_grad():
+        model.bert.encoder.layer[1].output.dense.weight.add_(0.5)  # the tensors of one shard change
+    model.save_pretrained(str(source), max_shard_size="100KB")
+    assert sorted(p.name for p in source.glob("model-*-of-*.safetensors")) == shards
+    assert not aux_is_current(config, config.corpus_dir, config.aux_dir)
+
 def test_an_hf_corpus_is_rebuilt_when_the_sample_that_orders_its_ids_changes(hf_dirs, tmp_path):
     """The hf: tokenizer's ids are ordered by piece counts on the corpus sample: [tokenizer] max_sentences
     and max_sample_mb decide the bytes, so they stay in the corpus key (vocab_size does not apply)."""
