@@ -240,6 +240,9 @@ def local_corpus(corpus_dir) -> Path:
     for name in TOKENIZER_FILES:
         if (remote / name).is_file():
             local_copy(remote / name, local / name, (remote / name).stat().st_size)
+    from common.hf import TOKENIZER_DIR  # an hf: aux model's tokenizer files (tokenizer.json holds their hash)
+    for path in (remote / TOKENIZER_DIR).iterdir():
+        local_copy(path, local / TOKENIZER_DIR / path.name, path.stat().st_size)
     for split in ("train", "valid"):
         for part in meta.get(split, {}).get("parts", []):
             for record in part["flat"].values():

@@ -213,7 +213,9 @@ class HFTokenizer:
 
     def __init__(self, folder: Path, meta: dict):
         self.path = Path(folder) / TOKENIZER_DIR
-        if files_sha256(self.path) != meta["files_sha256"]:
+        # a corpus on object storage is read from a local copy: each file there has the cache's .stamp and .lock
+        names = {p.name for p in self.path.iterdir() if not p.name.endswith((".stamp", ".lock"))}
+        if files_sha256(self.path, names) != meta["files_sha256"]:
             raise HFError(f"the tokenizer files in {self.path} changed since the corpus was built; rebuild it")
         self.tok = load_hf_tokenizer(self.path)
         self.hf_of = np.asarray(meta["hf_id_of"], dtype=np.int64)  # our id -> its id

@@ -237,6 +237,31 @@ def test_an_upload_interrupted_by_an_exception_leaves_no_object(s3, tmp_path, mo
     remote.upload(local)  # and an uninterrupted one puts the whole file
     assert client.get_object(Bucket=BUCKET, Key="interrupted/shard.parquet")["Body"].read() == local.read_bytes()
 
+def test_a_corpus_of_an_hf_aux_models_tokenizer_is_read_from_object_storage(s3, tmp_path):
+    """A corpus built for an hf: aux model keeps that tokenizer's own files in hf_tokenizer/: a stage reading
+    the corpus from object storage gets them in its local copy and opens the same tokenizer."""
+    import dataclasses
+    from common.corpus import local_corpus
+    from common.tokenizer import open_tokenizer
+    from corpus.build import build_corpus
+    from tests.conftest import tiny_config, write_text_corpus
+    from tests.test_hf import _texts, make_model, make_tokenizer
+    client, _ = s3
+    raw = write_text_corpus(tmp_path / "raw", num_docs=4, seed=5)
+    tok = make_tokenizer("bert", _texts(raw), tmp_path / "bert")
+    make_model("bert", len(tok), tok.pad_token_id, tmp_path / "bert")
+    config = tiny_config(tmp_path / "work")
+    config = dataclasses.replace(config, corpus=dataclasses.replace(config.corpus, source=str(raw)),
+                                 aux=dataclasses.replace(config.aux, source=f"hf:{tmp_path / 'bert'}"))
+    build_corpus(config, config.corpus_dir, workers=1, log=lambda *a: None)
+    for path in config.corpus_dir.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), BUCKET, f"hfcorpus/{path.relative_to(config.corpus_dir)}")
+    local = local_corpus(f"s3://{BUCKET}/hfcorpus")
+    here, there = open_tokenizer(config.corpus_dir), open_tokenizer(local)
+    assert there.sha256 == here.sha256 and there.encode_batch(["a line of text"]) == here.encode_batch(["a line of text"])
+    assert local_corpus(f"s3://{BUCKET}/hfcorpus") == local and open_tokenizer(local).sha256 == here.sha256
+
 def test_processes_of_one_machine_download_a_file_once_and_share_it(s3, tmp_path):
     """A node's Ray actors start together and each asks `local_copy` for the whole corpus: one downloads, the
     others wait for it and take its copy (each sees the same file, where before each renamed one of its own
