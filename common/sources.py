@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -403,6 +404,19 @@ def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
             yield Document(piece.file.name, strip_gutenberg(decode(raw, piece.file.path)))
         except CorpusError as e:
             yield e
+
+
+def check_unchanged(unit: WorkUnit) -> None:
+    """Each file of the unit as the build listed it (size, modification time): the scan's hashes and the
+    driver's keep and split masks are by document index, and a file changed in between would shift them."""
+    for piece in unit.pieces:
+        try:
+            stat = os.stat(piece.file.path)
+        except OSError as e:
+            raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
+        if (stat.st_size, stat.st_mtime_ns) != (piece.file.size, piece.file.mtime_ns):
+            raise CorpusError(f"{piece.file.path} changed while the corpus was being built (size or modification "
+                              f"time); run `make corpus` again: it starts over on the files as they are then")
 
 
 def read_unit(unit: WorkUnit, text_column: str, skipped: list | None = None) -> Iterator[Document]:

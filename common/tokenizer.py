@@ -62,7 +62,7 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int, out_dir: str | Path) 
         pad_piece="[PAD]", unk_piece="[UNK]", bos_piece="[CLS]", eos_piece="[SEP]",
         user_defined_symbols=["[MASK]"],
         shuffle_input_sentence=False,  # the caller samples lines with a seeded RNG
-        max_sentence_length=16384,
+        max_sentence_length=4 * 8192,  # bytes: corpus.build cuts sample lines at 8,192 characters, 4 bytes at most each
         num_threads=2,
         minloglevel=2,
     )

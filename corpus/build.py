@@ -36,7 +36,8 @@ from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atom
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
                        tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
-from common.sources import (CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, document_hash, paragraphs,
+from common.sources import (CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, check_unchanged,
+                            document_hash, paragraphs,
                             read_unit, source_files, work_units)
 from common import hf
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
@@ -85,6 +86,7 @@ def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float
     """Pass 1: every document's hash and split, and a seeded reservoir sample of `sample_lines`
     paragraphs of its training documents, as (document index, text), holding at most `sample_bytes`
     characters: past them, random entries leave and the reservoir shrinks to what fits."""
+    check_unchanged(unit)
     rng = random.Random(hash((seed, unit.index, 0x5CA)))  # Python ints hash the same in every process
     hashes, sample, seen, size, skipped = [], [], 0, 0, [] if skip_bad else None
     for i, doc in enumerate(read_unit(unit, text_column, skipped)):
@@ -213,6 +215,7 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, masks: tuple, doc_
     `masks`: (the unit's first document's index, valid_fraction, `Decision.force`), which and how its
     documents are kept, read here from the driver's decision in `out_dir/scan/` (`unit_masks`)."""
     time.sleep(float(os.environ.get(SLOW_ENV, "0")))
+    check_unchanged(unit)
     out = Path(out_dir)
     keep, valid = unit_masks(out / "scan", unit.index, *masks)
     tok = open_tokenizer(out)

@@ -267,6 +267,30 @@ def test_kill_9_during_the_build_then_a_rerun_gives_the_same_bytes(tmp_path, env
     assert digest(config.corpus_dir) == digest(tmp_path / "reference")
 
 
+@pytest.mark.slow
+def test_a_source_file_changed_during_the_build_stops_it_with_one_line_and_a_rerun_starts_over(tmp_path,
+                                                                                                env_with_repo):
+    """The packing pass reads the documents the scan counted: a file appended to in between (its documents
+    shifted against the driver's masks) stops the build naming it, not an IndexError or stale masks."""
+    raw = _multi_file_source(tmp_path)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(tiny_config(tmp_path)))
+    cmd = [sys.executable, "-m", "corpus", "--manifest", str(manifest), "--workers", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env_with_repo, SLOW_ENV: "1.0"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    progress = tmp_path / ".corpus.staging" / "progress.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (progress.is_file() and progress.read_text().strip()):
+        time.sleep(0.1)
+    for path in sorted(p for p in raw.rglob("*") if p.is_file()):  # every unit after the first packed one
+        with open(path, "ab") as f:
+            f.write(b"\n" if path.suffix != ".gz" else gzip.compress(b"\n"))
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 2, err[-3000:]
+    assert "changed while the corpus was being built" in err and "Traceback" not in err, err[-3000:]
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and "(0 already done)" in rerun.stdout, rerun.stdout[-3000:]
+
 def _flip_keeping_stat(path, offset):
     """One byte of `path` changed in place, its size and modification time as they were (the build key holds)."""
     stat = path.stat()
@@ -420,6 +444,18 @@ def test_the_tokenizer_sample_is_bounded_in_characters_as_well_as_lines(tmp_path
     assert 4_000 < sum(len(t) for *_, t in bounded["sample"]) <= 5_000
     assert set(bounded["sample"]) <= set(free["sample"]) and np.array_equal(free["hashes"], bounded["hashes"])
 
+
+def test_the_tokenizer_learns_from_sample_lines_of_wide_characters(tmp_path):
+    """Sample lines are cut at MAX_PARAGRAPH_CHARS characters; SentencePiece's limit counts bytes: a CJK
+    paragraph of 8,192 characters (24,576 bytes) was left out of training, and a corpus of them had nothing."""
+    from common.tokenizer import train_tokenizer
+    from corpus.build import MAX_PARAGRAPH_CHARS
+    rng = np.random.default_rng(0)
+    lines = ["".join(chr(0x4E00 + int(c)) for c in rng.integers(0, 40, MAX_PARAGRAPH_CHARS)) for _ in range(12)]
+    assert min(len(line.encode()) for line in lines) == 3 * MAX_PARAGRAPH_CHARS > 16384
+    tok = Tokenizer(train_tokenizer(lines, 320, tmp_path))
+    pieces = {tok.piece(i) for i in range(tok.vocab_size)}
+    assert sum(chr(0x4E00 + c) in pieces for c in range(40)) == 40  # each character a piece of its own
 
 def test_parts_present_finds_a_part_a_cache_cleanup_took(tmp_path):
     """What lets `python -m corpus --out s3://...` finish an interrupted upload from the cache's build without
