@@ -58,13 +58,20 @@ _END = re.compile(r"^\s*(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the
 _SMALL_PRINT_END = re.compile(r"^.*\*END\*\s*THE SMALL PRINT.*$", re.I | re.M)
 
 
-def strip_gutenberg(text: str) -> str:
-    """Drop the Project Gutenberg header (up to the START marker or the end of the
-    old 'small print' licence) and everything from the END marker on."""
+def clean_text(text: str) -> str:
+    """Line ends normalised, a byte-order mark dropped, the ends stripped: what every document's hash is of,
+    so copies that differ only there are duplicates (and never on both sides of the held-out split)."""
     if "\ufeff" in text or "\r" in text:
         text = text.replace("\ufeff", "").replace("\r\n", "\n").replace("\r", "\n")
+    return text.strip()
+
+
+def strip_gutenberg(text: str) -> str:
+    """`clean_text`, less the Project Gutenberg header (up to the START marker or the end of the
+    old 'small print' licence) and everything from the END marker on."""
+    text = clean_text(text)
     if not any(marker in text for marker in ("GUTENBERG", "Gutenberg", "SMALL PRINT")):
-        return text.strip()  # the common case, found without running the regular expressions
+        return text  # the common case, found without running the regular expressions
     start = _START.search(text)
     if start:
         text = text[start.end():]
@@ -321,7 +328,7 @@ def _jsonl_document(line: bytes, text_column: str, where) -> str:
     text = record[text_column]
     if not isinstance(text, str):
         raise CorpusError(f"{where()}: {text_column!r} is {type(text).__name__}, not a string")
-    return check_text(text, where)
+    return check_text(clean_text(text), where)
 
 
 def _read_jsonl(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:
@@ -361,7 +368,7 @@ def _read_parquet(piece: Piece, text_column: str) -> Iterator[Document]:
             try:
                 if text is None:
                     raise CorpusError(f"{piece.file.path}: row {row} has no text (null {text_column!r})")
-                yield Document(f"{piece.file.name}:{row}", check_text(text, f"{piece.file.path}: row {row}"))
+                yield Document(f"{piece.file.name}:{row}", check_text(clean_text(text), f"{piece.file.path}: row {row}"))
             except CorpusError as e:
                 yield e
             row += 1

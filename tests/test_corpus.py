@@ -127,6 +127,23 @@ def test_a_source_of_empty_files_is_one_error_and_leaves_nothing(tmp_path):
         build_corpus(config, config.corpus_dir, **quiet)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
 
+def test_copies_that_differ_in_line_ends_or_outer_whitespace_hash_alike_in_every_format(tmp_path):
+    """The hash is of cleaned text in every format: such copies are duplicates, never split between the
+    training and held-out sides."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from common.sources import document_hash
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.txt").write_text("To be, or not to be:\nthat is the question.\n")
+    (raw / "b.jsonl").write_text(json.dumps({"text": "To be, or not to be:\r\nthat is the question.\r\n"}) + "\n"
+                                 + json.dumps({"text": "\ufeff  To be, or not to be:\nthat is the question."}) + "\n")
+    pq.write_table(pa.table({"text": ["\nTo be, or not to be:\rthat is the question.  "]}), raw / "c.parquet")
+    units = work_units(source_files(str(raw), tmp_path), unit_bytes=1 << 20)
+    docs = [d for u in units for d in read_unit(u, "text")]
+    assert len(docs) == 4 and {d.text for d in docs} == {"To be, or not to be:\nthat is the question."}
+    assert len({document_hash(d.text, 7) for d in docs}) == 1
+
 def test_upper_case_gzip_names_are_read_as_gzip(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
