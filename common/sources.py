@@ -400,17 +400,39 @@ def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
             yield Document(f"{piece.file.name}:{piece.start}", strip_gutenberg(decode(raw, where)))
         except CorpusError as e:
             yield e
-    else:
-        opener = gzip.open if piece.file.path.lower().endswith(".gz") else open
+    else:  # a whole text file (a .txt.gz, or a .txt within one unit), streamed: documents of its lines
+        yield from _read_text_stream(piece)
+
+
+TEXT_DOCUMENT_BYTES = 8 << 20  # a compressed text file past this is cut at line starts into documents this size
+
+
+def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
+    """One document for a file up to TEXT_DOCUMENT_BYTES (named by the file), else one per that many bytes
+    of its lines (named file:offset, like a large plain file's ranges): memory stays flat however large a
+    .txt.gz is."""
+    opener = gzip.open if piece.file.path.lower().endswith(".gz") else open
+
+    def document(lines: list[bytes], start: int, whole: bool) -> Document | CorpusError:
+        where = piece.file.path if whole else f"{piece.file.path} (bytes from {start})"
         try:
-            with opener(piece.file.path, "rb") as f:
-                raw = f.read()
-        except (OSError, EOFError) as e:
-            raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
-        try:
-            yield Document(piece.file.name, strip_gutenberg(decode(raw, piece.file.path)))
+            return Document(piece.file.name if whole else f"{piece.file.name}:{start}",
+                            strip_gutenberg(decode(b"".join(lines), where)))
         except CorpusError as e:
-            yield e
+            return e
+    try:
+        with opener(piece.file.path, "rb") as f:
+            lines, start, size = [], 0, 0
+            for line in f:
+                lines.append(line)
+                size += len(line)
+                if size >= TEXT_DOCUMENT_BYTES:
+                    yield document(lines, start, False)
+                    lines, start, size = [], start + size, 0
+            if lines or start == 0:
+                yield document(lines, start, start == 0)
+    except (OSError, EOFError) as e:
+        raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
 
 
 def check_unchanged(unit: WorkUnit) -> None:
