@@ -110,7 +110,15 @@ def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float
     sample = [(i, k, " ".join(block.split())[:MAX_PARAGRAPH_CHARS]) for i, k, block in sample]
     sample = [entry for entry in sample if entry[2]]
     return {"unit": unit.index, "hashes": np.asarray(hashes, dtype=np.uint64), "sample": sample,
-            "skipped": skipped or []}
+            "skipped": (skipped or [])[:KEPT_MESSAGES], "skipped_count": len(skipped or [])}
+
+
+KEPT_MESSAGES = 3  # a unit's scan keeps its first few bad documents' messages and counts them all: what the
+# driver loads for every unit stays small however many documents a corpus of on_bad_input = "skip" leaves out
+
+
+def skipped_count(scan: dict) -> int:
+    return scan.get("skipped_count", len(scan["skipped"]))  # a staged scan from before the count was kept
 
 
 def pack_document(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[np.ndarray]:
@@ -336,7 +344,7 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
         with atomic_path(path.with_suffix(".npy")) as tmp:
             with open(tmp, "wb") as f:
                 np.save(f, result["hashes"])
-        atomic_write_json(path.with_suffix(".json"), {"sample": result["sample"], "skipped": result["skipped"]})
+        atomic_write_json(path.with_suffix(".json"), {k: result[k] for k in ("sample", "skipped", "skipped_count")})
 
     todo = [u for u in units if not paths[u.index].with_suffix(".json").is_file()]
     lines = config.tokenizer.max_sentences
@@ -348,9 +356,10 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
     _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
     # the units' samples (bounded in all) and bad documents; their hashes stay in their files (`_decide`)
     scans = [json.loads(paths[u.index].with_suffix(".json").read_text()) for u in units]
-    skipped = [message for s in scans for message in s["skipped"]]
+    skipped = sum(skipped_count(s) for s in scans)
     if skipped:
-        log(f"corpus: skipped {len(skipped)} bad document(s) ([corpus] on_bad_input = 'skip'), e.g. {skipped[0]}")
+        example = next(message for s in scans for message in s["skipped"])
+        log(f"corpus: skipped {skipped} bad document(s) ([corpus] on_bad_input = 'skip'), e.g. {example}")
     return scans
 
 
@@ -630,7 +639,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         scans = _scan_all(units, cfg, config, staging, workers, address, total_bytes, log)
         seconds["scan"] = time.time() - t_start - sum(seconds.values())
         decision = _decide(units, staging / "scan", cfg.valid_fraction)
-        skipped = sum(len(s["skipped"]) for s in scans)
+        skipped = sum(skipped_count(s) for s in scans)
         tok = _train_tokenizer(scans, decision, config, staging, log)
         seconds["tokenizer"] = time.time() - t_start - sum(seconds.values())
         del scans  # the tokenizer sample is no longer needed

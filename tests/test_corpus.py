@@ -462,6 +462,16 @@ def test_bad_documents_can_be_skipped_and_counted_by_a_manifest_switch(tmp_path)
     assert meta["documents"]["skipped_bad"] == 3 and meta["documents"]["read"] == 5
 
 
+def test_a_units_scan_keeps_a_few_bad_documents_messages_and_counts_them_all(tmp_path):
+    """What the driver loads of every unit's scan stays small however many bad documents are skipped."""
+    from corpus.build import KEPT_MESSAGES, scan_unit
+    (tmp_path / "c.jsonl").write_text('{"text": "fine words"}\n' + '{"text": null}\n' * 50)
+    (unit,) = work_units(source_files(str(tmp_path / "c.jsonl"), tmp_path), 1 << 20)
+    scan = scan_unit(unit, "text", 7, 0.2, 100, skip_bad=True)
+    assert scan["skipped_count"] == 50 and len(scan["skipped"]) == KEPT_MESSAGES
+    assert scan["skipped"][0] == f"{tmp_path / 'c.jsonl'}:2: 'text' is NoneType, not a string"
+
+
 def test_a_part_is_written_as_it_grows_with_the_bytes_of_one_write(tmp_path):
     """PartWriter flushes every few rows (bounded memory for a unit of any size): the same rows, the
     .npy files byte for byte what np.save writes for the whole arrays, one Parquet row group a flush."""
