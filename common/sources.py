@@ -124,13 +124,23 @@ def check_text(text: str, where) -> str:
 
 
 def decode(raw: bytes, where: str) -> str:
-    """UTF-8, else Latin-1 (old Gutenberg files); bytes that are not text are refused."""
+    """UTF-8; UTF-8 with a few bad bytes (replaced, where its valid multi-byte characters outnumber them);
+    else Windows-1252 (its quotes and dashes, which Latin-1 reads as control characters), else Latin-1
+    (old Gutenberg files). Bytes that are not text are refused."""
     if b"\x00" in raw:
         raise CorpusError(f"{where} is not text (it holds NUL bytes: a binary file?); remove it from the corpus")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return check_text(raw.decode("latin-1"), where)
+        text = raw.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd")
+        wide = len(text) - len(text.encode("ascii", errors="ignore")) - bad  # valid multi-byte characters
+        if wide > bad:  # a stray byte in UTF-8 text: not the whole file garbled
+            return check_text(text, where)
+        try:
+            return check_text(raw.decode("cp1252"), where)
+        except UnicodeDecodeError:  # one of the five bytes Windows-1252 leaves undefined
+            return check_text(raw.decode("latin-1"), where)
     controls = len(raw) - len(raw.translate(None, _CONTROL_BYTES))  # `check_text`, 10x faster on bytes
     if controls > MAX_CONTROL_FRACTION * max(len(text), 1):
         check_text(text, where)

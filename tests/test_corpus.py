@@ -191,6 +191,15 @@ def test_reading_a_txt_gz_of_4x_the_text_peaks_at_the_memory_of_1x(tmp_path, env
         peaks.append(peak)
     assert peaks[1] / peaks[0] <= 1.2, peaks
 
+def test_legacy_encodings_and_a_stray_byte_decode_as_the_text_they_are():
+    from common.sources import decode
+    assert decode("It\u2019s \u201cquoted\u201d \u2014 done".encode("cp1252") * 50, "f") == \
+        "It\u2019s \u201cquoted\u201d \u2014 done" * 50  # Latin-1 read these as control characters: refused
+    assert decode("Caf\u00e9 cr\u00e8me, na\u00efve".encode("latin-1"), "f") == "Caf\u00e9 cr\u00e8me, na\u00efve"
+    assert decode("Caf\u00e9 cr\u00e8me, na\u00efve ".encode() + b"\xff" + " \u00e0 la carte".encode(), "f") == \
+        "Caf\u00e9 cr\u00e8me, na\u00efve \ufffd \u00e0 la carte"  # not the whole file as Latin-1 mojibake
+    assert decode(b"\x81" + b" old \xe9t\xe9" * 2000, "f") == "\x81" + " old \u00e9t\u00e9" * 2000  # cp1252 lacks 0x81
+
 def test_upper_case_gzip_names_are_read_as_gzip(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
