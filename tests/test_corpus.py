@@ -177,12 +177,13 @@ def test_reading_a_txt_gz_of_4x_the_text_peaks_at_the_memory_of_1x(tmp_path, env
     311 against 472 MB before, the same 311 MB now)."""
     rng = np.random.default_rng(0)
     words = np.array(["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "runs", "far", "away"])
+    block = ("\n".join(" ".join(row) for row in words[rng.integers(0, 12, (100_000, 10))]) + "\n").encode()
     peaks = []
     for scale in (1, 4):
         path = tmp_path / f"text{scale}.txt.gz"
-        with gzip.open(path, "wt", compresslevel=1) as f:
+        with gzip.open(path, "wb", compresslevel=1) as f:
             for _ in range(8 * scale):
-                f.write("\n".join(" ".join(row) for row in words[rng.integers(0, 12, (100_000, 10))]) + "\n")
+                f.write(block)
         result = subprocess.run([sys.executable, "-c", READ_TEXT_GZ, str(path), str(tmp_path)], cwd=ROOT,
                                 env=env_with_repo, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
