@@ -402,7 +402,10 @@ def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
         yield from _read_parquet(piece, text_column)
     elif piece.stop >= 0:  # a large plain .txt in line-aligned byte ranges: each range one document
         try:
-            raw = b"".join(line for _, _, line in _plain_lines(piece))
+            with open(piece.file.path, "rb") as f:
+                begin, end = _text_cut(f, piece.start, piece.file.size), _text_cut(f, piece.stop, piece.file.size)
+                f.seek(begin)
+                raw = f.read(max(0, end - begin))
         except OSError as e:
             raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
         try:
@@ -415,12 +418,34 @@ def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
 
 
 TEXT_DOCUMENT_BYTES = 8 << 20  # a compressed text file past this is cut at line starts into documents this size
+LONG_LINE_BYTES = 1 << 20  # a text line longer than this may be cut at a space (a corpus of one line, like text8)
+_SPACE = re.compile(rb"\s")
+
+
+def _text_cut(f, x: int, size: int) -> int:
+    """Where a plain text file's range boundary at byte `x` falls: after the first newline at or after x - 1
+    (or at the end), so a range starts at a line start; where that newline is LONG_LINE_BYTES away or more (a
+    line of megabytes), after the first white space instead, and with none there at `x` itself. Depends on the bytes
+    at `x` alone, so the range that ends at `x` and the one that starts there agree."""
+    if x <= 0 or x >= size:
+        return min(max(x, 0), size)
+    f.seek(x - 1)
+    window = f.read(LONG_LINE_BYTES)
+    i = window.find(b"\n")
+    if i < 0 and x - 1 + len(window) >= size:  # the last line, shorter than the limit: it runs to the end
+        return size
+    if i < 0:
+        space = _SPACE.search(window)
+        if space is None:
+            return x
+        i = space.start()
+    return x + i
 
 
 def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
     """One document for a file up to TEXT_DOCUMENT_BYTES (named by the file), else one per that many bytes
-    of its lines (named file:offset, like a large plain file's ranges): memory stays flat however large a
-    .txt.gz is."""
+    of its lines (named file:offset, like a large plain file's ranges; a line of megabytes cut at a space):
+    memory stays flat however large a .txt.gz, or one of its lines, is."""
     opener = gzip.open if piece.file.path.lower().endswith(".gz") else open
 
     def document(lines: list[bytes], start: int, whole: bool) -> Document | CorpusError:
@@ -433,12 +458,17 @@ def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
     try:
         with opener(piece.file.path, "rb") as f:
             lines, start, size = [], 0, 0
-            for line in f:
+            while line := f.readline(LONG_LINE_BYTES):  # a line of megabytes comes in pieces
                 lines.append(line)
                 size += len(line)
                 if size >= TEXT_DOCUMENT_BYTES:
+                    carry = b""
+                    if not line.endswith(b"\n"):  # inside such a line: cut after its last white space
+                        k = max(line.rfind(c) for c in (b" ", b"\t", b"\r", b"\x0b", b"\x0c"))
+                        if k >= 0:
+                            lines[-1], carry = line[:k + 1], line[k + 1:]
                     yield document(lines, start, False)
-                    lines, start, size = [], start + size, 0
+                    lines, start, size = [carry] if carry else [], start + size - len(carry), len(carry)
             if lines or start == 0:
                 yield document(lines, start, start == 0)
     except (OSError, EOFError) as e:
