@@ -37,17 +37,23 @@ class OutputConflict(ValueError):
 
 # what a folder of shards holds (the module's docstring; verified.json, the resolved manifest, a killed
 # writer's temporaries): --force deletes a folder only if it holds nothing else
-TOP_LEVEL = re.compile(r"(plan\.json|manifest\.json|progress\.jsonl|verified\.json|resolved_manifest\.toml"
-                       r"|valid|epoch-\d+|\..+\.tmp-.+)")
+# (on object storage the progress log is a folder of one object per record: progress.jsonl.d/SPLIT/NAME.json)
+TOP_LEVEL = re.compile(r"(plan\.json|manifest\.json|progress\.jsonl|progress\.jsonl\.d|verified\.json"
+                       r"|resolved_manifest\.toml|valid|epoch-\d+|\..+\.tmp-.+)")
 IN_SPLIT = re.compile(r"(shard-\d+\.parquet|\..+\.tmp-.+)")
+IN_RECORDS = re.compile(r"(valid|epoch-\d+)/shard-\d+\.parquet\.json")
 
 
 def foreign_entries(out_dir) -> list[str]:
-    """The entries of `out_dir` (and of its split folders) that no generation writes."""
+    """The entries of `out_dir` (and of its split folders and record folder) that no generation writes."""
     foreign = []
     for entry in out_dir.iterdir():
         if not TOP_LEVEL.fullmatch(entry.name) or (entry.name in (PLAN_FILE, MANIFEST_FILE) and entry.is_dir()):
             foreign.append(entry.name)
+        elif entry.name == f"{PROGRESS_FILE}.d":
+            foreign += [f"{entry.name}/{split.name}/{e.name}" for split in entry.iterdir()
+                        for e in (split.iterdir() if split.is_dir() else [split])
+                        if not IN_RECORDS.fullmatch(f"{split.name}/{e.name}")]
         elif entry.is_dir():
             foreign += [f"{entry.name}/{e.name}" for e in entry.iterdir() if not IN_SPLIT.fullmatch(e.name)]
     return sorted(foreign)

@@ -155,6 +155,10 @@ def test_a_generator_killed_mid_upload_leaves_no_partial_object_and_a_rerun_give
     assert f"{len(recorded)} already done" in rerun
     # the rerun kept them and wrote the rest: every shard has the local run's bytes
     assert {p: _sha(client, "epochs/" + p) for p in expected} == {p: s["sha256"] for p, s in expected.items()}
+    # what `--force` may replace: everything here is the generation's own (its records included), nothing else
+    from common.storage import location
+    from generate.generator import foreign_entries
+    assert foreign_entries(location(f"s3://{BUCKET}/epochs")) == []
 
 
 def test_a_rank_fetches_about_its_share_of_the_stream_with_ranged_reads(s3, remote_epochs, generated):
