@@ -22,7 +22,8 @@ import shutil
 from pathlib import Path
 
 from common.checkpoint import AUX_FILE, latest_checkpoint, read_aux_meta, save_aux, save_hf_aux
-from common.config import RunConfig, config_to_dict, dump_toml, save_resolved, trajectory_config
+from common.config import (NOT_TRAJECTORY, NOT_TRAJECTORY_TRAIN, SCHEDULING_ONLY, RunConfig, config_to_dict,
+                           dump_toml, save_resolved, trajectory_config)
 from common.corpus import load_corpus_meta
 from common.io import DamagedFile, sha256_file
 from common.model import MaskedLM
@@ -46,16 +47,21 @@ def aux_run_config(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=a.num_layers), train=train)
 
 
-def run_key(config: RunConfig, corpus_dir: Path) -> str:
-    """What the aux run's updates depend on: the composed config's trajectory and the corpus. Not [generate]
-    (the shards come after the aux model; every ablation edits it and shares one aux model) nor the RTD loss's
-    weight, which the MLM objective does not read."""
+def run_key(config: RunConfig, corpus_dir: Path, legacy: bool = False) -> str:
+    """What the aux run's updates depend on: the composed config's trajectory (`trajectory_config`: not
+    [generate], the aux run's intervals or the RTD loss's weight) and the corpus. `legacy`: the key as it was
+    made before 2026-11-26 (all of [generate], the intervals and the weight in it), by which aux models
+    published then are still current and their unfinished runs still found."""
     meta = load_corpus_meta(corpus_dir)
     parts = [p["sha256"] for split in ("train", "valid") for p in meta[split]["parts"]]
-    trajectory = trajectory_config(config_to_dict(aux_run_config(config)))
-    del trajectory["generate"], trajectory["train"]["electra_lambda"]
-    blob = {"config": trajectory, "corpus": parts,
-            "tokenizer": meta["tokenizer_sha256"]}
+    data = config_to_dict(aux_run_config(config))
+    if legacy:
+        trajectory = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
+        trajectory["train"] = {k: v for k, v in data["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
+        trajectory["generate"] = {k: v for k, v in data["generate"].items() if k not in SCHEDULING_ONLY}
+    else:
+        trajectory = trajectory_config(data)
+    blob = {"config": trajectory, "corpus": parts, "tokenizer": meta["tokenizer_sha256"]}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -64,6 +70,9 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print, npr
     """Train (or resume) the aux run in a trainer process, then publish its last checkpoint as aux.pt."""
     corpus_dir, out_dir = Path(corpus_dir).resolve(), Path(out_dir).resolve()
     run_dir = out_dir / f"run-{run_key(config, corpus_dir)}"
+    legacy = out_dir / f"run-{run_key(config, corpus_dir, legacy=True)}"
+    if legacy.is_dir() and not run_dir.exists():  # a run started before the key changed: resumed, not redone
+        legacy.rename(run_dir)
     if force and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,5 +159,6 @@ def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
                 and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
     return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
             and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps
-            and meta.get("metrics", {}).get("run_key") == run_key(config, corpus_dir)
+            and meta.get("metrics", {}).get("run_key") in (run_key(config, corpus_dir),
+                                                            run_key(config, corpus_dir, legacy=True))
             and sha256_file(out_dir / AUX_FILE) == meta["sha256"])

@@ -619,11 +619,15 @@ SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 
 
 def trajectory_config(data: dict) -> dict:
-    """The part of a config dict (`config_to_dict`) that decides a run's updates, for resume."""
+    """The part of a config dict (`config_to_dict`) that decides a run's updates, for resume. The `mlm`
+    objective (the aux model's run) reads neither [generate] nor the RTD loss's weight: every ablation edits
+    [generate] and shares one aux run."""
     kept = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
     kept["train"] = {k: v for k, v in kept["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
     kept["aux"] = {k: v for k, v in kept["aux"].items() if k not in NOT_TRAJECTORY_AUX}
     kept["generate"] = {k: v for k, v in kept["generate"].items() if k not in SCHEDULING_ONLY}
+    if kept["train"].get("objective") == "mlm":
+        del kept["generate"], kept["train"]["electra_lambda"]
     return kept
 
 

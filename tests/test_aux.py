@@ -289,7 +289,7 @@ def test_the_mlm_update_never_counts_masked_positions_on_the_device(built):
     assert torch.equal(loss_a, loss_b) and hits_a == hits_b and all(map(torch.equal, grads_a, grads_b))
 
 
-def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_weight_change(built):
+def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_weight_change(built, tmp_path):
     """Every ablation edits [generate] and shares one aux model; the aux run's intervals and the RTD loss's
     weight do not change its updates: none of them may start a fresh aux run (for base, 125K updates)."""
     from auxiliary.mlm import aux_is_current
@@ -298,7 +298,40 @@ def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_wei
         aux=dataclasses.replace(built.aux, eval_every=1, log_every=1, ckpt_every=3),
         train=dataclasses.replace(built.train, electra_lambda=7.0))
     assert aux_is_current(edited, built.corpus_dir, built.aux_dir)
+    # an aux model published before the key left these out (aux.json's key by the former formula) stays current
+    import shutil
+    from auxiliary.mlm import run_key
+    from common.checkpoint import AUX_META
+    legacy = run_key(built, built.corpus_dir, legacy=True)
+    assert legacy != run_key(built, built.corpus_dir)
+    old = shutil.copytree(built.aux_dir, tmp_path / "aux-published-before")
+    meta = json.loads((old / AUX_META).read_text())
+    meta["metrics"]["run_key"] = legacy
+    (old / AUX_META).write_text(json.dumps(meta))
+    assert aux_is_current(built, built.corpus_dir, old)
+    meta["metrics"]["run_key"] = "0" * 12
+    (old / AUX_META).write_text(json.dumps(meta))
+    assert not aux_is_current(built, built.corpus_dir, old)
     for changed in (dataclasses.replace(built, aux=dataclasses.replace(built.aux, lr=1e-3)),
                     dataclasses.replace(built, seed=built.seed + 1),
                     dataclasses.replace(built, train=dataclasses.replace(built.train, clip_norm=0.5))):
         assert not aux_is_current(changed, built.corpus_dir, built.aux_dir)
+
+
+def test_an_aux_run_started_under_the_former_key_is_resumed_not_redone(built, tmp_path):
+    """Its folder run-LEGACYKEY (the key before [generate] left it) is taken over: the run goes on from its
+    checkpoints instead of starting afresh beside them."""
+    import os
+    import shutil
+    from auxiliary.mlm import run_key, train_aux
+    aux = tmp_path / "aux"
+    shutil.copytree(built.aux_dir, aux)
+    new, legacy = (f"run-{run_key(built, built.corpus_dir, legacy=flag)}" for flag in (False, True))
+    (aux / new).rename(aux / legacy)
+    (aux / AUX_FILE).unlink()
+    checkpoints = sorted(p.name for p in (aux / legacy / "checkpoints").iterdir())
+    said = []
+    train_aux(built, built.corpus_dir, aux, log=said.append, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert not (aux / legacy).exists() and (aux / AUX_FILE).is_file()
+    assert sorted(p.name for p in (aux / new / "checkpoints").iterdir()) == checkpoints
+    assert f"training in {aux / new}" in said[0]

@@ -58,6 +58,20 @@ def test_resume_ignores_settings_that_do_not_change_the_updates(tmp_path):
     assert _restore(tmp_path, config)[0] is not None
 
 
+def test_the_aux_models_run_resumes_whatever_generate_and_the_rtd_weight_say(tmp_path):
+    """The `mlm` objective (the aux run, shared by every ablation) reads neither: an aux run interrupted under
+    one manifest resumes under another that edits them."""
+    config = tiny_config(tmp_path, train={"objective": "mlm"})
+    model, optimizer, scheduler = _parts(config)
+    state.save(tmp_path / "ckpt", 2, state.Progress(step=1, history={}), model, optimizer, scheduler, config,
+               "data-key", 0, 1, torch.device("cpu"))
+    config.generate.t0, config.generate.mask_prob, config.train.electra_lambda = 3.0, 0.2, 7.0
+    assert _restore(tmp_path, config)[0] is not None
+    config.aux.mask_prob = 0.3  # what it does read
+    with pytest.raises(IncompatibleInputs, match=r"aux\.mask_prob changed"):
+        _restore(tmp_path, config)
+
+
 def test_resume_refuses_a_changed_trajectory_naming_the_keys(tmp_path):
     config, _ = _saved_run(tmp_path)
     config.train.lr, config.generate.t0 = 5e-3, 3.0
