@@ -155,7 +155,7 @@ def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
         source = hf.hf_dir(config.aux.source)
         return (meta.get("kind") == "hf" and source is not None and meta["source"] == str(source)
                 and meta["tokenizer_sha256"] == corpus["tokenizer_sha256"]
-                and meta["model_sha256"] == hf.files_sha256(source, hf.model_files(source))
+                and hf.model_unchanged(source, meta["model_sha256"])
                 and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
     return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
             and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps

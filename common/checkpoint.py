@@ -157,7 +157,7 @@ def load_aux(path: str | Path, map_location="cpu") -> tuple[MaskedLM, dict]:
     if payload.get("kind") == "hf":
         from common import hf
         source = Path(payload["source"])
-        if hf.files_sha256(source, hf.model_files(source)) != payload["model_sha256"]:
+        if not hf.model_unchanged(source, payload["model_sha256"]):
             raise IncompatibleInputs(f"the aux model in {source} changed since {path} recorded it; run `make aux` again")
         model = hf.HFMaskedLM(source, payload["hf_id_of"])
         model.to(map_location).eval().requires_grad_(False)

@@ -174,6 +174,18 @@ def model_files(folder: Path) -> set[str]:
     return names
 
 
+LEGACY_MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")  # what was hashed before 2026-11-26
+
+
+def model_unchanged(folder: Path, recorded: str) -> bool:
+    """The model files are those an aux record (`model_sha256`) was made of: by `model_files`, or, for a
+    single-file model, by the former set (a folder holding both model.safetensors and pytorch_model.bin
+    hashed both), so a record made then is not taken for a changed model."""
+    files = model_files(folder)
+    return files_sha256(folder, files) == recorded or (
+        files <= set(LEGACY_MODEL_FILES) and files_sha256(folder, LEGACY_MODEL_FILES) == recorded)
+
+
 def tokenizer_sha256(folder: Path) -> str:
     """The hash of a model directory's files other than its weights: what tokenizes the corpus (the
     corpus key checks it on every `make corpus`, so gigabytes of weights are not read for it)."""

@@ -191,6 +191,14 @@ def test_new_weights_in_a_sharded_model_make_the_aux_record_stale(hf_dirs, tmp_p
     model.save_pretrained(str(source), max_shard_size="100KB")
     assert sorted(p.name for p in source.glob("model-*-of-*.safetensors")) == shards
     assert not aux_is_current(config, config.corpus_dir, config.aux_dir)
+    # records made before: of a sharded model they covered config.json alone (not taken as current); of a
+    # single-file model with both weight files, both files (taken as current: the model did not change)
+    from common.hf import LEGACY_MODEL_FILES, files_sha256, model_unchanged
+    assert not model_unchanged(source, files_sha256(source, LEGACY_MODEL_FILES))
+    both = shutil.copytree(dirs["bert"], tmp_path / "both")
+    torch.save(transformers.BertForMaskedLM.from_pretrained(str(both)).state_dict(), both / "pytorch_model.bin")
+    assert model_unchanged(both, files_sha256(both, LEGACY_MODEL_FILES))
+    assert model_unchanged(both, files_sha256(both, {"config.json", "model.safetensors"}))
 
 def test_an_hf_corpus_is_rebuilt_when_the_sample_that_orders_its_ids_changes(hf_dirs, tmp_path):
     """The hf: tokenizer's ids are ordered by piece counts on the corpus sample: [tokenizer] max_sentences
