@@ -69,20 +69,28 @@ def clean_text(text: str) -> str:
 def strip_gutenberg(text: str) -> str:
     """`clean_text`, less the Project Gutenberg header (up to the START marker or the end of the
     old 'small print' licence) and everything from the END marker on."""
+    return gutenberg_part(text, first=True)[0]
+
+
+def gutenberg_part(text: str, first: bool) -> tuple[str, bool]:
+    """`strip_gutenberg` for one of a file's consecutive parts (a large .txt.gz read in documents): the header
+    is cut from the first part only; returns the part and whether it held the END marker (what follows is the
+    licence, not the work)."""
     text = clean_text(text)
     if not any(marker in text for marker in ("GUTENBERG", "Gutenberg", "SMALL PRINT")):
-        return text  # the common case, found without running the regular expressions
-    start = _START.search(text)
-    if start:
-        text = text[start.end():]
-    else:
-        small_print = _SMALL_PRINT_END.search(text)
-        if small_print:
-            text = text[small_print.end():]
+        return text, False  # the common case, found without running the regular expressions
+    if first:
+        start = _START.search(text)
+        if start:
+            text = text[start.end():]
+        else:
+            small_print = _SMALL_PRINT_END.search(text)
+            if small_print:
+                text = text[small_print.end():]
     end = _END.search(text)
     if end:
-        text = text[:end.start()]
-    return text.strip()
+        return text[:end.start()].strip(), True
+    return text.strip(), False
 
 
 _BLANK_LINE = re.compile(r"\n\s*\n")
@@ -436,41 +444,47 @@ def _text_cut(f, x: int, size: int) -> int:
         return size
     if i < 0:
         space = _SPACE.search(window)
-        if space is None:
-            return x
+        if space is None:  # no white space either: at the first character that starts at or after x
+            return x - 1 + next((j for j in range(1, len(window)) if window[j] & 0xC0 != 0x80), len(window))
         i = space.start()
     return x + i
 
 
 def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
-    """One document for a file up to TEXT_DOCUMENT_BYTES (named by the file), else one per that many bytes
-    of its lines (named file:offset, like a large plain file's ranges; a line of megabytes cut at a space):
-    memory stays flat however large a .txt.gz, or one of its lines, is."""
-    opener = gzip.open if piece.file.path.lower().endswith(".gz") else open
+    """A whole text file, one document named by the file: a plain .txt here is within one unit. A .txt.gz
+    is one unit whatever its size: past TEXT_DOCUMENT_BYTES of text it is one document per that many bytes of
+    its lines (named file:offset, like a large plain file's ranges; a line of megabytes cut at a space, or
+    with none at a character's start), the Gutenberg header cut from the first and nothing read past the END
+    marker: memory stays flat however large the file, or one of its lines, is."""
+    compressed = piece.file.path.lower().endswith(".gz")
 
-    def document(lines: list[bytes], start: int, whole: bool) -> Document | CorpusError:
+    def document(lines: list[bytes], start: int, whole: bool) -> tuple[Document | CorpusError, bool]:
         where = piece.file.path if whole else f"{piece.file.path} (bytes from {start})"
         try:
-            return Document(piece.file.name if whole else f"{piece.file.name}:{start}",
-                            strip_gutenberg(decode(b"".join(lines), where)))
+            text, ended = gutenberg_part(decode(b"".join(lines), where), first=start == 0)
+            return Document(piece.file.name if whole else f"{piece.file.name}:{start}", text), ended
         except CorpusError as e:
-            return e
+            return e, False
     try:
-        with opener(piece.file.path, "rb") as f:
+        with (gzip.open if compressed else open)(piece.file.path, "rb") as f:
             lines, start, size = [], 0, 0
             while line := f.readline(LONG_LINE_BYTES):  # a line of megabytes comes in pieces
                 lines.append(line)
                 size += len(line)
-                if size >= TEXT_DOCUMENT_BYTES:
+                if compressed and size >= TEXT_DOCUMENT_BYTES:
                     carry = b""
                     if not line.endswith(b"\n"):  # inside such a line: cut after its last white space
-                        k = max(line.rfind(c) for c in (b" ", b"\t", b"\r", b"\x0b", b"\x0c"))
-                        if k >= 0:
-                            lines[-1], carry = line[:k + 1], line[k + 1:]
-                    yield document(lines, start, False)
+                        k = max(line.rfind(c) for c in (b" ", b"\t", b"\r", b"\x0b", b"\x0c")) + 1
+                        if k == 0:  # none: before its last character's first byte, not inside the character
+                            k = next((j for j in range(len(line) - 1, 0, -1) if line[j] & 0xC0 != 0x80), 0)
+                        lines[-1], carry = line[:k], line[k:]
+                    doc, ended = document(lines, start, False)
+                    yield doc
+                    if ended:  # the licence that follows the work
+                        return
                     lines, start, size = [carry] if carry else [], start + size - len(carry), len(carry)
             if lines or start == 0:
-                yield document(lines, start, start == 0)
+                yield document(lines, start, start == 0)[0]
     except (OSError, EOFError) as e:
         raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
 

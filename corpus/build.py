@@ -549,9 +549,16 @@ def _train_tokenizer(scans, decision: Decision, config: RunConfig, staging: Path
     return open_tokenizer(staging)
 
 
-def _staged_key(staging: Path) -> str | None:
+# How sources are read into documents (common.sources), in the staging folder's key.json: a build scanned by
+# one version and packed by another would index different documents (2: .txt.gz in documents, cleaned JSONL
+# and Parquet text, Windows-1252, long lines cut; 2026-11-26). A published corpus keeps its bytes and its key.
+SOURCE_READER = 2
+
+
+def _staged_key(staging: Path) -> tuple | None:
     try:
-        return read_json(staging / "key.json", ("key",))["key"]
+        staged = read_json(staging / "key.json", ("key",))
+        return staged["key"], staged.get("reader")
     except (OSError, DamagedFile):
         return None
 
@@ -616,12 +623,12 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         raise CorpusError(f"corpus source {source} holds no text: its {len(files)} file(s) are empty")
     key = build_key(config, files)
     staging = out_dir.with_name(f".{out_dir.name}.staging")
-    if staging.is_dir() and _staged_key(staging) != key:
-        shutil.rmtree(staging)  # an unfinished build of other inputs (or one whose key.json was cut short)
+    if staging.is_dir() and _staged_key(staging) != (key, SOURCE_READER):
+        shutil.rmtree(staging)  # an unfinished build of other inputs or reader (or its key.json cut short)
     staging.mkdir(parents=True, exist_ok=True)
     for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
         remove_stale_tmp(folder)
-    atomic_write_json(staging / "key.json", {"key": key})
+    atomic_write_json(staging / "key.json", {"key": key, "reader": SOURCE_READER})
     if (staging / CORPUS_META).is_file():  # killed between finishing and publishing
         _publish(staging, out_dir)
         log(f"corpus: published the build finished in {staging} -> {out_dir}")

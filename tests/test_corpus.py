@@ -161,6 +161,18 @@ def test_a_large_txt_gz_is_read_in_documents_of_its_lines(tmp_path, monkeypatch)
     (small,) = [d for u in work_units(source_files(str(tmp_path / "small.txt.gz"), tmp_path), 1 << 20)
                 for d in read_unit(u, "text")]
     assert small.name == "small.txt.gz" and small.text == "".join(lines[:10]).strip()
+    (tmp_path / "plain.txt").write_text("".join(lines))  # a plain file within one unit: one document, as before
+    (plain,) = [d for u in work_units(source_files(str(tmp_path / "plain.txt"), tmp_path), 1 << 20)
+                for d in read_unit(u, "text")]
+    assert plain.name == "plain.txt" and plain.text == "".join(lines).strip()
+    # a Project Gutenberg book: its header cut from the first document only, nothing past the END marker read
+    book = ["*** START OF THE PROJECT GUTENBERG EBOOK X ***\n", *lines, "*** END OF THE PROJECT GUTENBERG EBOOK X ***\n",
+            *[f"licence clause {i} of the Project Gutenberg terms\n" for i in range(200)]]
+    with gzip.open(tmp_path / "book.txt.gz", "wt") as f:
+        f.write("".join(book))
+    docs = [d for u in work_units(source_files(str(tmp_path / "book.txt.gz"), tmp_path), 1 << 20)
+            for d in read_unit(u, "text")]
+    assert [line.strip() for d in docs for line in d.text.splitlines()] == [line.strip() for line in lines]
 
 
 def test_a_text_of_one_long_line_is_cut_at_spaces_plain_or_compressed(tmp_path, monkeypatch):
@@ -178,6 +190,14 @@ def test_a_text_of_one_long_line_is_cut_at_spaces_plain_or_compressed(tmp_path, 
                 for d in read_unit(u, "text")]
         assert len(docs) > 5 and max(len(d.text) for d in docs) < 4600, (name, [len(d.text) for d in docs])
         assert [w for d in docs for w in d.text.split()] == words, name
+    cjk = "".join(chr(0x4E00 + i % 500) for i in range(3000))  # no white space: cut at a character's start
+    (tmp_path / "cjk.txt").write_text(cjk)
+    with gzip.open(tmp_path / "cjk.txt.gz", "wt") as f:
+        f.write(cjk)
+    for name, unit_bytes in (("cjk.txt", 1000), ("cjk.txt.gz", 1 << 30)):
+        docs = [d for u in work_units(source_files(str(tmp_path / name), tmp_path), unit_bytes)
+                for d in read_unit(u, "text")]
+        assert len(docs) > 2 and "".join(d.text for d in docs) == cjk, name
     lines = [" ".join(words[i:i + 10]) for i in range(0, 4000, 10)]  # short lines: cut at line starts as before
     (tmp_path / "lines.txt").write_text("\n".join(lines))
     docs = [d for u in work_units(source_files(str(tmp_path / "lines.txt"), tmp_path), 4000)
@@ -453,6 +473,22 @@ def test_a_staging_folder_whose_key_was_cut_short_is_started_again(tmp_path):
     (tmp_path / ".corpus.staging" / "key.json").write_text('{"key": "ab')  # killed mid-write by an old version
     build_corpus(config, config.corpus_dir, **quiet)
     assert corpus_is_current(config, config.corpus_dir, config.corpus.source)
+
+
+def test_a_staging_folder_of_another_source_reader_is_started_again(tmp_path):
+    """Scans staged by a version that read sources into other documents are not packed by this one."""
+    from corpus.build import build_key
+    write_text_corpus(tmp_path / "raw", num_docs=4)
+    config = tiny_config(tmp_path)
+    staging = tmp_path / ".corpus.staging"
+    (staging / "scan").mkdir(parents=True)
+    (staging / "scan" / "unit-00000.json").write_text('{"sample": [], "skipped": []}')  # an old version's scan
+    key = build_key(config, source_files(config.corpus.source, tmp_path / "downloads"))
+    (staging / "key.json").write_text(json.dumps({"key": key}))
+    logs = []
+    build_corpus(config, config.corpus_dir, log=logs.append)
+    assert "scanning 2 of 2 units" in "\n".join(logs) and corpus_is_current(config, config.corpus_dir,
+                                                                             config.corpus.source)
 
 
 def test_a_failed_rebuild_leaves_the_good_corpus_alone(tmp_path):
