@@ -241,8 +241,14 @@ def local_corpus(corpus_dir) -> Path:
         if (remote / name).is_file():
             local_copy(remote / name, local / name, (remote / name).stat().st_size)
     from common.hf import TOKENIZER_DIR  # an hf: aux model's tokenizer files (tokenizer.json holds their hash)
+    names = set()
     for path in (remote / TOKENIZER_DIR).iterdir():
         local_copy(path, local / TOKENIZER_DIR / path.name, path.stat().st_size)
+        names.add(path.name)
+    if (local / TOKENIZER_DIR).is_dir():  # a file of a corpus built before at the same prefix: not this one's
+        for stale in [p for p in (local / TOKENIZER_DIR).iterdir() if p.is_file() and p.name not in names
+                      and not p.name.endswith((".stamp", ".lock")) and not p.name.startswith(".")]:
+            stale.unlink()
     for split in ("train", "valid"):
         for part in meta.get(split, {}).get("parts", []):
             for record in part["flat"].values():

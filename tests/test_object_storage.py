@@ -265,6 +265,11 @@ def test_a_corpus_of_an_hf_aux_models_tokenizer_is_read_from_object_storage(s3, 
     here, there = open_tokenizer(config.corpus_dir), open_tokenizer(local)
     assert there.sha256 == here.sha256 and there.encode_batch(["a line of text"]) == here.encode_batch(["a line of text"])
     assert local_corpus(f"s3://{BUCKET}/hfcorpus") == local and open_tokenizer(local).sha256 == here.sha256
+    # a download cut short (its hidden temporary) and a file of a corpus built before at this prefix
+    (local / "hf_tokenizer" / ".vocab.txt.tmp-123").write_text("part")
+    (local / "hf_tokenizer" / "merges.txt").write_text("another tokenizer's")
+    assert open_tokenizer(local_corpus(f"s3://{BUCKET}/hfcorpus")).sha256 == here.sha256
+    assert not (local / "hf_tokenizer" / "merges.txt").exists()
 
 def test_processes_of_one_machine_download_a_file_once_and_share_it(s3, tmp_path):
     """A node's Ray actors start together and each asks `local_copy` for the whole corpus: one downloads, the
