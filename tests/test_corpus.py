@@ -118,15 +118,6 @@ def test_a_plain_jsonl_is_read_once_and_bad_lines_in_later_ranges_are_named_by_l
     assert len(counted) <= 2  # once per range that holds a bad line, not once per line
 
 
-def test_a_source_of_empty_files_is_one_error_and_leaves_nothing(tmp_path):
-    (tmp_path / "raw").mkdir()
-    (tmp_path / "raw" / "a.txt").write_text("")
-    (tmp_path / "raw" / "b.jsonl").write_text("")
-    config = tiny_config(tmp_path)
-    with pytest.raises(CorpusError, match=f"corpus source {tmp_path / 'raw'} holds no text: its 2 file"):
-        build_corpus(config, config.corpus_dir, **quiet)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
-
 def test_copies_that_differ_in_line_ends_or_outer_whitespace_hash_alike_in_every_format(tmp_path):
     """The hash is of cleaned text in every format: such copies are duplicates, never split between the
     training and held-out sides."""
@@ -319,13 +310,18 @@ def test_empty_or_missing_corpus_is_refused_without_output(tmp_path, make, messa
     assert not any(p.name.startswith(".corpus") for p in tmp_path.iterdir())
 
 
-def test_too_little_text_for_the_vocabulary_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("texts, message", [
+    (("five words in this file", "and five words in this"), r"tokenizer.vocab_size = 320"),
+    (("", ""), "corpus source {raw} holds no text: its 2 file"),  # empty files: no division by their 0 bytes
+])
+def test_too_little_text_for_the_vocabulary_is_a_clear_error(tmp_path, texts, message):
     (tmp_path / "raw").mkdir()
-    (tmp_path / "raw" / "a.txt").write_text("five words in this file")
-    (tmp_path / "raw" / "b.txt").write_text("and five words in this")
+    (tmp_path / "raw" / "a.txt").write_text(texts[0])
+    (tmp_path / "raw" / "b.jsonl" if not texts[1] else tmp_path / "raw" / "b.txt").write_text(texts[1])
     config = tiny_config(tmp_path)
-    with pytest.raises(CorpusError, match=r"tokenizer.vocab_size = 320"):
+    with pytest.raises(CorpusError, match=message.format(raw=tmp_path / "raw")):
         build_corpus(config, config.corpus_dir, **quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]  # no staging folder left
 
 
 def _multi_file_source(tmp_path):
