@@ -11,19 +11,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import sys
 import time
 
 import torch
 
-from common.config import load_manifest
+from common.config import ConfigError, load_manifest
 from common.model import ReplacedTokenDetector
 from common.optim import build_optimizer, build_scheduler
 from train import trainer
-from train.data import load_data_manifest, replaced_rate, to_tensors, training_stream, validation_stream
+from train.data import DataError, load_data_manifest, replaced_rate, to_tensors, training_stream, validation_stream
 from train.metrics import rtd_metrics
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except (ConfigError, DataError, FileNotFoundError) as e:  # a user's mistake: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.ablate_tiny")
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     parser.add_argument("--data", default="work/tiny/epochs")
@@ -45,6 +54,9 @@ def main(argv=None) -> None:
     scheduler = build_scheduler(optimizer, tc.warmup_steps, args.steps)
     held_out = to_tensors(valid.rows(0, valid.num_rows))
     steps_per_pass = stream.num_rows // tc.batch_size
+    if not steps_per_pass:
+        raise DataError(f"{args.data} holds {stream.num_rows} training rows, fewer than one batch of "
+                        f"train.batch_size = {tc.batch_size}")
     t0 = time.time()
     for step in range(args.steps):
         start = (step % steps_per_pass) * tc.batch_size  # wraps around the stream if asked for more
@@ -58,7 +70,8 @@ def main(argv=None) -> None:
             model.train()
             print(f"step {step + 1:5d}  val loss {m['loss']:.4f}  acc {m['accuracy']:.4f}  "
                   f"recall {m['recall']:.4f}  AUC {m['auc']:.4f}  ({time.time() - t0:.0f}s)", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

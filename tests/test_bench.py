@@ -65,12 +65,15 @@ def test_the_experiments_time_and_train_through_the_trainers_own_update_function
         assert reproduce.measure_update_seconds(built, objective, built.corpus_dir, repeats=2) > 0
     assert calls == ["electra"] * 3 + ["fast-offline"] * 3
     manifest, data = generated[:2]
-    ablate_tiny.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2"])
+    assert ablate_tiny.main(["--manifest", str(manifest), "--data", str(data), "--steps", "2"]) == 0
     assert calls[6:] == ["fast-offline"] * 2
     out = capsys.readouterr().out
     assert "step     2  val loss" in out
     loss = float(out.split("step     2  val loss")[1].split()[0])
     assert math.isfinite(loss) and 0 < loss < 5, out
+    # a user's mistake is one line, not a traceback
+    assert ablate_tiny.main(["--manifest", str(manifest), "--data", str(data.parent / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {data.parent / 'nowhere'}")
 
 
 def test_bench_aux_probe_trains_through_the_update_and_reports_json(monkeypatch):

@@ -45,6 +45,9 @@ def test_masking_matches_the_generators_rows(built, generated):
     for i, pos in enumerate(positions):
         assert np.array_equal(torch.nonzero(batch["masked_flags"][i]).flatten().numpy(), pos)
     assert torch.equal(batch["uniforms"], torch.from_numpy(np.concatenate(uniforms)))
+    # its generator samples at T = 1, and so its rows (and the run's logged temperatures) say, at any step
+    late = stream.rows(stream.num_rows - 8, stream.num_rows)
+    assert np.array_equal(rows["temperature"], np.ones(8, np.float32)) and (late["temperature"] == 1).all()
 
 
 @pytest.mark.slow

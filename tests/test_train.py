@@ -1,5 +1,6 @@
 """Trainer pieces without torchrun: the data manifest checks, rank slices, metrics."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -222,6 +223,9 @@ def test_the_logged_peak_memory_is_the_trainers_own_not_its_launchers(generated,
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = [json.loads(line)["peak_memory_mb"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert peaks and all(100 < peak < 1500 for peak in peaks), peaks
+    # 2 steps of a stream made for more: said, since its rows' temperatures were set for the whole stream
+    assert re.search(r"train: note: this run reads \d+% of a stream made for \d+ steps of 8 rows", result.stdout), \
+        result.stdout[-2000:]
 
 
 def test_a_micro_batch_with_no_padded_row_runs_the_model_without_a_mask(monkeypatch):

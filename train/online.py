@@ -60,7 +60,9 @@ class OnlineStream:
                 corrupted = self.corruptor(originals, row_ids, epoch, temperatures, gammas)
                 out["input_ids"] += corrupted["input_ids"]
                 out["labels"] += [label.astype(bool) for label in corrupted["labels"]]
-            out["temperature"].append(temperatures.astype(np.float32))
+            # electra's generator samples at T = 1 (train.objectives.ElectraPair): what its rows report
+            out["temperature"].append(temperatures.astype(np.float32) if self.corruptor is not None
+                                      else np.ones(len(stream), np.float32))
             out["stream_index"].append(stream)
             position = end
         out["temperature"] = np.concatenate(out["temperature"]) if out["temperature"] else np.zeros(0, np.float32)

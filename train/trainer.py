@@ -349,6 +349,13 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
               f"{dropped_rows} tail rows dropped; data {data_desc}"
               f"{'; under torch.compile' if use_compile else ''}"
               f"{'; attention in the fused kernel' if any(getattr(m, 'fused_attention', None) for m in model.modules()) else ''}")
+        if dropped_rows >= tc.batch_size and tc.objective != "mlm":  # more than the last partial batch unread
+            # each row's temperature (curriculum strength) was set by its place in the whole stream (paper
+            # section 3: u = the fraction of training done): a run that stops early never reaches the schedule's end
+            print(f"train: note: this run reads {total_steps * tc.batch_size / stream.num_rows:.0%} of a stream "
+                  f"made for {stream.num_rows // tc.batch_size} steps of {tc.batch_size} rows: its last rows are "
+                  f"not at the end of the temperature schedule (generate a stream for this budget: "
+                  f"generate.epochs = 0)")
         if "start" not in history:
             history["start"] = {"step": 0, **evaluate_now(detector, valid, device, autocast)}
     if checking is not None:
