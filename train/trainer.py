@@ -349,7 +349,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
               f"{dropped_rows} tail rows dropped; data {data_desc}"
               f"{'; under torch.compile' if use_compile else ''}"
               f"{'; attention in the fused kernel' if any(getattr(m, 'fused_attention', None) for m in model.modules()) else ''}")
-        if dropped_rows >= tc.batch_size and tc.objective != "mlm":  # more than the last partial batch unread
+        if dropped_rows >= tc.batch_size and tc.objective not in ("mlm", "electra"):  # rows at T = 1 there
             # each row's temperature (curriculum strength) was set by its place in the whole stream (paper
             # section 3: u = the fraction of training done): a run that stops early never reaches the schedule's end
             print(f"train: note: this run reads {total_steps * tc.batch_size / stream.num_rows:.0%} of a stream "
