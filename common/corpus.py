@@ -227,7 +227,7 @@ def local_corpus(corpus_dir) -> Path:
     """A corpus folder on this machine: `corpus_dir` itself, or for one on object storage a local copy of
     what the stages read at random (corpus.json, the tokenizer, every part's flat tokens and offsets, each
     checked against corpus.json's size and sha256), downloaded once per machine (`common.storage`)."""
-    from common.storage import cache_folder, is_remote, local_copy, location
+    from common.storage import cache_bookkeeping, cache_folder, is_remote, local_copy, location
     remote = location(corpus_dir)
     if not is_remote(remote):
         return Path(corpus_dir)
@@ -247,7 +247,7 @@ def local_corpus(corpus_dir) -> Path:
         names.add(path.name)
     if (local / TOKENIZER_DIR).is_dir():  # a file of a corpus built before at the same prefix: not this one's
         for stale in [p for p in (local / TOKENIZER_DIR).iterdir() if p.is_file() and p.name not in names
-                      and not p.name.endswith((".stamp", ".lock")) and not p.name.startswith(".")]:
+                      and not cache_bookkeeping(p.name)]:
             stale.unlink()
     for split in ("train", "valid"):
         for part in meta.get(split, {}).get("parts", []):

@@ -225,10 +225,8 @@ class HFTokenizer:
 
     def __init__(self, folder: Path, meta: dict):
         self.path = Path(folder) / TOKENIZER_DIR
-        # a corpus on object storage is read from a local copy: each file there has the cache's .stamp and .lock,
-        # and a download cut short leaves a hidden temporary
-        names = {p.name for p in self.path.iterdir()
-                 if not p.name.endswith((".stamp", ".lock")) and not p.name.startswith(".")}
+        from common.storage import cache_bookkeeping  # a corpus on object storage is read from a local copy
+        names = {p.name for p in self.path.iterdir() if not cache_bookkeeping(p.name)}
         if files_sha256(self.path, names) != meta["files_sha256"]:
             raise HFError(f"the tokenizer files in {self.path} changed since the corpus was built; rebuild it")
         self.tok = load_hf_tokenizer(self.path)

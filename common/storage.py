@@ -226,6 +226,12 @@ def cache_folder(remote: "ObjectPath", what: str) -> Path:
     return cache_root() / what / f"{remote.name}-{digest}"
 
 
+def cache_bookkeeping(name: str) -> bool:
+    """A file `local_copy` keeps beside a copy (NAME.stamp, NAME.lock) or that a download cut short left (a
+    hidden temporary): not part of what was copied."""
+    return name.endswith((".stamp", ".lock")) or name.startswith(".")
+
+
 def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None = None) -> Path:
     """`local`, holding `remote`'s bytes: downloaded (to a temporary name, then renamed) and checked against
     `size` and `sha256`, then reused while a stamp beside it (`NAME.stamp`: the sha256 it was checked against,

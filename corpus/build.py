@@ -117,10 +117,6 @@ KEPT_MESSAGES = 3  # a unit's scan keeps its first few bad documents' messages a
 # driver loads for every unit stays small however many documents a corpus of on_bad_input = "skip" leaves out
 
 
-def skipped_count(scan: dict) -> int:
-    return scan.get("skipped_count", len(scan["skipped"]))  # a staged scan from before the count was kept
-
-
 def pack_document(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[np.ndarray]:
     """Cut one document's tokens (int32) into [CLS] ... [SEP] rows of at most `max_seq_len`; a last
     piece shorter than `min_seq_len` (with specials) is dropped. Never crosses documents."""
@@ -356,7 +352,7 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
     _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
     # the units' samples (bounded in all) and bad documents; their hashes stay in their files (`_decide`)
     scans = [json.loads(paths[u.index].with_suffix(".json").read_text()) for u in units]
-    skipped = sum(skipped_count(s) for s in scans)
+    skipped = sum(s["skipped_count"] for s in scans)
     if skipped:
         example = next(message for s in scans for message in s["skipped"])
         log(f"corpus: skipped {skipped} bad document(s) ([corpus] on_bad_input = 'skip'), e.g. {example}")
@@ -646,7 +642,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         scans = _scan_all(units, cfg, config, staging, workers, address, total_bytes, log)
         seconds["scan"] = time.time() - t_start - sum(seconds.values())
         decision = _decide(units, staging / "scan", cfg.valid_fraction)
-        skipped = sum(skipped_count(s) for s in scans)
+        skipped = sum(s["skipped_count"] for s in scans)
         tok = _train_tokenizer(scans, decision, config, staging, log)
         seconds["tokenizer"] = time.time() - t_start - sum(seconds.values())
         del scans  # the tokenizer sample is no longer needed
