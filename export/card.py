@@ -22,9 +22,9 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _loading(kind: str, name: str) -> str:
+def _loading(kind: str, folder: str) -> str:
     auto = "AutoModelForPreTraining" if kind == "rtd" else "AutoModelForMaskedLM"
-    path = f"path/to/{name}"
+    path = f"path/to/{folder}"
     return f"""```python
 from transformers import AutoModel, AutoTokenizer, {auto}, AutoModelForSequenceClassification
 
@@ -57,7 +57,7 @@ def card_title(trained) -> str:
     return f"Fast-ELECTRA {preset}: auxiliary masked LM"
 
 
-def model_card(trained, config: dict, tok: dict, parameters: int, name: str) -> str:
+def model_card(trained, config: dict, tok: dict, parameters: int, name: str, folder: str) -> str:
     facts = trained.facts
     shape = (f"{config['num_layers']} layers x {config['hidden_size']} hidden, {config['num_heads']} heads, "
              f"FFN {config['ffn_size']}, T5 relative-position bias ({config['rel_buckets']} buckets, max distance "
@@ -106,6 +106,6 @@ def model_card(trained, config: dict, tok: dict, parameters: int, name: str) -> 
                   "| | start | end |", "|---|---|---|",
                   f"| loss | {_fmt(start.get('mlm_loss'))} | {_fmt(end.get('mlm_loss'))} |",
                   f"| top-1 | {_fmt(start.get('mlm_top1'))} | {_fmt(end.get('mlm_top1'))} |"]
-    lines += ["", "## Loading", "", _loading(trained.kind, name), "",
+    lines += ["", "## Loading", "", _loading(trained.kind, folder), "",
               "Fine-tuning with the Hugging Face `Trainer`: see the project's docs/export.md.", ""]
     return "\n".join(lines)

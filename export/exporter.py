@@ -377,6 +377,7 @@ def build(trained: Trained, staging: Path, out: Path, transformers) -> str:
                           f"max |difference| {diff:.3g} on a probe batch (tolerance {PROBE_TOLERANCE}); nothing "
                           f"was written to {out}")
     parameters = count_parameters(our_model(trained))
-    (staging / "README.md").write_text(model_card(trained, config, tokenizer_facts, parameters, card_title(trained)))
+    (staging / "README.md").write_text(model_card(trained, config, tokenizer_facts, parameters, card_title(trained),
+                                                          out.name))
     return (f"{config['architectures'][0]}, {parameters / 1e6:.2f}M parameters, vocabulary {vocab}, tokenizer "
             f"{tokenizer_facts['kind']}; transformers reproduces it on a probe batch within {diff:.1e}")

@@ -5,7 +5,9 @@ session's tiny corpus; its export loaded back with transformers' Auto classes (r
 with common.model on the same ids, fine-tuned with the Hugging Face Trainer, and our aux model taken
 through export -> `hf:` aux -> the masked-position logits of our MaskedLM."""
 import ast
+import contextlib
 import dataclasses
+import io
 import json
 import re
 import sys
@@ -115,6 +117,13 @@ def test_the_export_holds_weights_config_tokenizer_card_and_remote_code(exported
     for fact in (f"| updates | {STEPS:,} of", "| rows seen | 96 |", "| tokens seen | 1,600 ",  # 1000 + 1200 * 32/64
                  "| AUC | 0.5000 | 0.6370 |", f"`{config.name}`", config.corpus.source, "trust_remote_code=True"):
         assert fact in card, fact
+    # the card's own loading code runs, its placeholder path made the folder's
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert f'"path/to/{out.name}"' in snippet
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(snippet.replace(f"path/to/{out.name}", str(out)), {})
+    assert printed.getvalue().startswith("torch.Size([2, ")
 
 
 def test_hidden_states_and_rtd_logits_equal_ours_with_padding(exported):
