@@ -17,6 +17,7 @@ on batch x length x vocabulary).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -279,8 +280,19 @@ def load_masked_lm(path: Path):
     try:
         model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True,
                                                                output_loading_info=True, trust_remote_code=trust)
+        if (model.config.model_type == "deberta-v2" and getattr(model.config, "legacy", False)
+                and any(k.startswith("lm_predictions.") for k in info["unexpected_keys"])):
+            # the original DeBERTa releases' head layout (lm_predictions.*), which transformers reads only
+            # with legacy = False; a config without the key defaults to the cls.* layout and drops the head
+            model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True, legacy=False,
+                                                                   output_loading_info=True, trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as e:
         raise HFError(f"{path} holds no masked LM transformers can load ({str(e).splitlines()[0][:200]})") from None
+    except Exception as e:  # noqa: BLE001 - e.g. safetensors' own error for a damaged weights file
+        if type(e).__module__.split(".")[0] not in ("safetensors", "torch", "transformers"):
+            raise
+        raise HFError(f"{path}: its weights do not load ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else '?'})") from None
     base = model.base_model_prefix
     missing = sorted(k for k in info["missing_keys"] if not k.startswith(base + "."))
     if missing:
@@ -296,12 +308,16 @@ class HFMaskedLM(nn.Module):
     def __init__(self, path: Path, hf_of: np.ndarray, input_names=("input_ids", "attention_mask")):
         super().__init__()
         self.model = load_masked_lm(path)
-        rows = [m.weight.shape[0] for m in (self.model.get_input_embeddings(), self.model.get_output_embeddings())
-                if m is not None and getattr(m, "weight", None) is not None]
-        if len(hf_of) and rows and int(np.max(hf_of)) >= min(rows):  # an index error deep in the generator else
-            raise HFError(f"{path}: its tokenizer has ids up to {int(np.max(hf_of))}, but the model's vocabulary has "
-                          f"{min(rows)} entries: the tokenizer is not this model's")
         self.head = [child for name, child in self.model.named_children() if name != self.model.base_model_prefix]
+        # DeBERTa's lm_predictions head takes the word embeddings it is tied to as an argument
+        self.head_takes_embeddings = ["word_embeddings" in inspect.signature(m.forward).parameters for m in self.head]
+        with torch.no_grad():  # the logits' width, whatever module the family calls its output embeddings
+            probe = torch.zeros(1, self.model.config.hidden_size, dtype=self.model.get_input_embeddings().weight.dtype)
+            width = self._head(probe).shape[-1]
+        rows = min(width, self.model.get_input_embeddings().weight.shape[0])
+        if len(hf_of) and int(np.max(hf_of)) >= rows:  # an index error deep in the generator else
+            raise HFError(f"{path}: its tokenizer has ids up to {int(np.max(hf_of))}, but the model's vocabulary has "
+                          f"{rows} entries: the tokenizer is not this model's")
         self.register_buffer("hf_of", torch.as_tensor(hf_of, dtype=torch.long), persistent=False)
         self.token_types = "token_type_ids" in input_names and getattr(self.model.config, "type_vocab_size", 0) > 0
         self.max_positions = max_positions(self.model.config)
@@ -319,7 +335,11 @@ class HFMaskedLM(nn.Module):
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)
         return self.model.base_model(**kwargs)[0][masked_positions]
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """bert / deberta-v2: cls (or lm_predictions); roberta: lm_head; electra: predictions, lm_head."""
+        for module, takes_embeddings in zip(self.head, self.head_takes_embeddings):
+            hidden = module(hidden, self.model.get_input_embeddings()) if takes_embeddings else module(hidden)
+        return hidden
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        for module in self.head:  # bert / deberta-v2: cls; roberta: lm_head; electra: predictions, lm_head
-            hidden = module(hidden)
-        return hidden[:, self.hf_of]  # our columns only: padded rows past the tokenizer's length drop out
+        return self._head(hidden)[:, self.hf_of]  # our columns only: padded rows past the tokenizer's length drop out

@@ -584,12 +584,15 @@ def _part_intact(staging: Path, part: dict, stamps: dict, hashed: list) -> bool:
 
 def check_hf_aux(config: RunConfig) -> None:
     """An hf: aux model is checked before any work: its tokenizer loads and has the specials a masked LM
-    needs, and the rows fit its positions."""
+    needs, the model loads with a masked-LM head over the tokenizer's ids, and the rows fit its positions
+    (loading takes seconds; a tokenization pass over a real corpus, hours)."""
     path = hf.hf_dir(config.aux.source)
     if path is None:
         return
     try:
-        hf.special_hf_ids(hf.load_hf_tokenizer(path), path)
+        tokenizer = hf.load_hf_tokenizer(path)
+        hf.special_hf_ids(tokenizer, path)
+        hf.HFMaskedLM(path, np.arange(len(tokenizer)))
         limit = hf.max_positions(hf.load_config(path))
     except (OSError, ValueError) as e:
         raise CorpusError(str(e)) from None
