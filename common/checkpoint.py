@@ -178,12 +178,14 @@ def checkpoint_path(folder: str | Path, step: int) -> Path:
 
 
 def save_checkpoint(state: dict, folder: str | Path, keep: int) -> Path:
-    """Write `state` as step-XXXXXXXX.pt atomically; keep the newest `keep` checkpoints."""
+    """Write `state` as step-XXXXXXXX.pt atomically; keep the newest `keep` checkpoints up to this step.
+    One of a later step is left alone and not counted: the run resumed before it, so it did not load
+    (`latest_checkpoint` skipped it); counting it would delete each readable checkpoint as it is written."""
     folder = Path(folder)
     path = checkpoint_path(folder, state["step"])
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
-    for old in list_checkpoints(folder)[:-keep]:
+    for old in [p for p in list_checkpoints(folder) if p <= path][:-keep]:
         old.unlink(missing_ok=True)
     return path
 

@@ -178,6 +178,24 @@ def test_resume_skips_a_newest_checkpoint_cut_short_for_the_one_before(tmp_path,
     assert f"checkpoints: ignoring unreadable checkpoint {newest}" in capsys.readouterr().out
 
 
+def test_pruning_keeps_the_checkpoints_a_run_resumed_from_a_damaged_newest_one_writes(tmp_path):
+    """keep = 1 and a damaged step 10: the run resumes from scratch; the checkpoints it writes at steps 2 and 4
+    are its only readable ones, so they are what pruning keeps (by name, the damaged step 10 was kept and each
+    new checkpoint deleted as it was written)."""
+    import torch
+    from common.checkpoint import latest_checkpoint, save_checkpoint
+    damaged = tmp_path / "step-00000010.pt"
+    damaged.write_bytes(b"PK\x03\x04 cut short")
+    assert latest_checkpoint(tmp_path) is None
+    for step in (2, 4):
+        save_checkpoint({"step": step, "model": {"w": torch.full((8,), float(step))}}, tmp_path, keep=1)
+        path, state = latest_checkpoint(tmp_path)
+        assert state["step"] == step, path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.pt", "step-00000010.pt"]
+    save_checkpoint({"step": 10, "model": {"w": torch.zeros(8)}}, tmp_path, keep=1)  # over the damaged one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010.pt"]
+
+
 def test_finetune_on_a_file_that_is_no_checkpoint_ends_with_one_line(tmp_path, capsys):
     from finetune.__main__ import main as finetune_main
     junk = tmp_path / "junk.pt"
