@@ -601,10 +601,13 @@ def dump_toml(config: RunConfig) -> str:
     return "\n".join(top) + "\n" + "\n".join(tables) + "\n"
 
 
+RESOLVED_FILE = "resolved_manifest.toml"
+
+
 def save_resolved(config: RunConfig, out_dir: str | Path) -> Path:
     from common.io import atomic_write_text
     from common.storage import location
-    return atomic_write_text(location(out_dir) / "resolved_manifest.toml", dump_toml(config))
+    return atomic_write_text(location(out_dir) / RESOLVED_FILE, dump_toml(config))
 
 
 # Settings that do not change what a training run computes: where outputs go, how often it logs,

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, check_sizes, local_aux, read_aux_meta
-from common.config import RunConfig, config_to_dict, save_resolved
+from common.config import RESOLVED_FILE, RunConfig, config_to_dict, save_resolved
 from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
 from common.io import (DamagedFile, FolderLock, atomic_write_json, file_stamp, read_json, remove_stale_tmp,
                        sha256_file)
@@ -235,7 +235,8 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
             if sub.is_dir():
                 remove_stale_tmp(sub)
     atomic_write_json(out_dir / PLAN_FILE, plan_record(checked, tasks, config))
-    save_resolved(config, out_dir)
+    if not (out_dir / RESOLVED_FILE).is_file():  # the manifest the folder was started with: a restart (same key)
+        save_resolved(config, out_dir)           # with other settings the shards do not depend on keeps it
 
     from generate.job import actor_device, read_progress, run_tasks
     from generate.worker import mean_phases

@@ -4,6 +4,7 @@ A shard's bytes depend only on (corpus, tokenizer, aux, manifest, seed, epoch, s
 the same with 1 or 2 workers, after a SIGKILL and a rerun, after a worker dies mid-task,
 and after a damaged shard is detected and regenerated.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -104,7 +105,7 @@ def test_worker_dying_mid_task_is_retried_with_identical_output(reference, tmp_p
     assert _hashes(folder / "fault") == expected
 
 
-def test_damaged_shard_is_detected_and_regenerated(reference):
+def test_damaged_shard_is_detected_and_regenerated(reference, tmp_path):
     manifest, folder, expected = reference
     out = folder / "one_worker"
     victim = sorted(expected)[1]
@@ -115,8 +116,16 @@ def test_damaged_shard_is_detected_and_regenerated(reference):
     assert "1 to run" in result.stdout and "hashed 1 shard(s) again" in result.stdout  # its time changed
     assert f"{out / victim} is missing or damaged (size or sha256 differ from its record); redoing it" in result.stdout
     assert _hashes(out) == expected
-    result = _run(manifest, out, 1)  # complete and verified: nothing to do, no Ray
+    # complete and verified: nothing to do, no Ray; a manifest that differs in what the shards do not depend
+    # on (the trainer's learning rate) leaves the folder's resolved manifest, the one it was made from
+    from common.config import dump_toml, load_manifest
+    made_from = (out / "resolved_manifest.toml").read_bytes()
+    config = load_manifest(manifest)
+    other = tmp_path / "other_lr.toml"
+    other.write_text(dump_toml(dataclasses.replace(config, train=dataclasses.replace(config.train, lr=0.005))))
+    result = _run(other, out, 1)
     assert "complete and verified" in result.stdout
+    assert (out / "resolved_manifest.toml").read_bytes() == made_from
 
 
 def test_a_folder_made_on_two_device_models_says_so_and_lists_them(reference, tmp_path):
