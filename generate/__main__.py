@@ -43,12 +43,24 @@ def main(argv=None) -> int:
         out = location(args.out) if args.out else config.epochs_dir
         corpus = location(args.corpus) if args.corpus else config.corpus_dir
         aux = location(args.aux) if args.aux else config.aux_dir / AUX_FILE
+        if not (args.aux or args.corpus) and aux.is_file():
+            check_aux_current(config)
         generate(config, out, corpus, aux, workers, args.address, args.force, verify=args.verify)
     except (ConfigError, CorpusError, IncompatibleInputs, OutputConflict, FileNotFoundError, FolderLocked,
             DamagedFile, DiskFull, NodeProblem, PermissionError) as e:  # PermissionError: names the path
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_aux_current(config) -> None:
+    """The manifest's own aux model (no --aux): the one its [aux] settings, corpus and hf: source make, not one
+    left by other settings (its shards would be described by a manifest that did not make them)."""
+    from auxiliary.mlm import aux_is_current
+    if not aux_is_current(config, config.corpus_dir, config.aux_dir):
+        raise IncompatibleInputs(f"{config.aux_dir / AUX_FILE} was not made by this manifest's [aux] settings, "
+                                 f"corpus and source ({config.aux.source or 'trained here'}): `make aux` "
+                                 f"(python -m auxiliary) makes it, or name an aux model with --aux")
 
 
 if __name__ == "__main__":

@@ -387,3 +387,17 @@ def test_generation_that_would_not_fit_stops_before_any_shard_with_one_line(buil
     assert f"({_size(each)} each: batches of 4,096 tokens" in errors[0], (errors[0], each)
     assert f"FAST_ELECTRA_MEMORY_BYTES is {_size(budget)}" in errors[0] and "1 fit there: lower --workers" in errors[0]
     assert not list(out.rglob("*.parquet")) and not (out / "progress.jsonl").exists()
+
+
+def test_the_manifests_own_aux_model_made_by_other_aux_settings_is_refused(built, tmp_path, capsys):
+    """No --aux: the aux model in the manifest's work folder must be the one its [aux] settings make; one of
+    other settings (here a 3-layer aux asked, a 2-layer one there) is one error line before any work."""
+    from generate.__main__ import main as generate_main
+    manifest, out = tmp_path / "m.toml", tmp_path / "epochs"
+    manifest.write_text(dump_toml(built))
+    assert generate_main(["--manifest", str(manifest), "--out", str(out), "--set", "aux.num_layers=3"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {built.aux_dir / AUX_FILE} was not made by this manifest's [aux] settings, corpus and "
+                   f"source (trained here): `make aux` (python -m auxiliary) makes it, or name an aux model with "
+                   f"--aux\n"), err
+    assert not out.exists()
