@@ -5,10 +5,10 @@ same main model, same batch, measured interleaved in one run (paper section 4.3,
     python -m bench.efficiency --manifest manifests/tiny.toml [--layers 6] [--steps 24] [--vocab paper]
 
 Shape: the manifest's main model at `--layers` depth (CPU default 6, so the 2-layer tiny aux is
-1/3 of it, the paper's proportion; the electra generator is 1/3 deep too, same width).
+1/3 of it, the paper's proportion; the electra generator has the aux model's depth and the main width).
   fast-offline  rows read from the shards (as the trainer reads them), RTD update
   fast-online   the same rows corrupted in the loop by the frozen aux model (train/online.py), RTD update
-  electra       the same rows masked, generator MLM + sampling + discriminator, joint update (lambda 50)
+  electra       the same rows masked, generator MLM + sampling + discriminator, joint update (the manifest's lambda)
 Vocabulary: `--vocab 0` (default) is the data's (tiny: 8000, so V/d = 31 at width 256); `--vocab paper`
 is the paper's proportion, round(128000 * hidden / 768) (42667 at 256, V/d = 166.7 as in base), the term
 that drives the paper's 0.598; `--vocab N` any N >= the data's. Main model, electra generator and
@@ -61,7 +61,7 @@ from common.shards import SHARD_ENCODING, SHARD_SCHEMA, int_lists, write_parquet
 import train.trainer as trainer
 from train.objectives import electra_tensors
 from train.data import load_data_manifest, to_tensors, training_stream
-from train.objectives import ElectraPair, generator_layers
+from train.objectives import ElectraPair
 from train.online import OnlineStream
 
 RESULTS = Path("bench/results")
@@ -140,7 +140,7 @@ class Mode:
             self.stream = OnlineStream(config, config.corpus_dir, corruptor)
         torch.manual_seed(tc.seed)
         vocab = vocab or manifest["vocab_size"]
-        self.model = (ElectraPair(config.model, vocab) if name == "electra" else ReplacedTokenDetector(config.model, vocab)).to(device)
+        self.model = (ElectraPair(config.model, vocab, config.aux.num_layers) if name == "electra" else ReplacedTokenDetector(config.model, vocab)).to(device)
         self.optimizer = build_optimizer(self.model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,
                                          tc.embed_lr_scale)
         self.scheduler = build_scheduler(self.optimizer, tc.warmup_steps, 10_000)
@@ -190,7 +190,7 @@ def analytic_ratios(config, vocab: int | None = None) -> dict:
     `vocab`: the models' vocabulary (default: the data's)."""
     m, L, V = config.model, config.corpus.max_seq_len, vocab or config.tokenizer.vocab_size
     enc = lambda layers: Encoder(m.hidden_size, m.ffn_size, m.num_heads, layers, V)
-    aux_layers, gen_layers = config.aux.num_layers, generator_layers(m)
+    aux_layers = gen_layers = config.aux.num_layers  # ELECTRA's generator has the aux model's depth
     masked = config.generate.mask_prob * L
     # the paper's convention: embeddings as a matmul, no output layers
     main, gen, aux = (encoder_forward_flops(enc(n), L, softmax=False) for n in (m.num_layers, gen_layers, aux_layers))
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.efficiency")
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
-    parser.add_argument("--layers", type=int, default=6, help="main model depth (aux and generator: 1/3)")
+    parser.add_argument("--layers", type=int, default=6, help="main model depth (the manifest's aux and generator depth: 1/3 of 6)")
     parser.add_argument("--steps", type=int, default=24, help="timed updates per mode")
     parser.add_argument("--block", type=int, default=4)
     parser.add_argument("--vocab", type=vocab_arg, default=0,
@@ -320,7 +320,7 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
     analytic = analytic_ratios(config, vocab)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "shape": {"main_layers": args.layers, "aux_layers": config.aux.num_layers, "generator_layers": generator_layers(config.model),
+        "shape": {"main_layers": args.layers, "aux_layers": config.aux.num_layers, "generator_layers": config.aux.num_layers,
                   "hidden": config.model.hidden_size, "seq_len": config.corpus.max_seq_len, "batch_rows": config.train.batch_size,
                   "vocab": vocab, "data_vocab": config.tokenizer.vocab_size, "paper_vocab_proportion": is_paper,
                   "vocab_per_hidden": vocab / config.model.hidden_size},
@@ -343,7 +343,7 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
           f"`python -m bench.efficiency --manifest {args.manifest} --layers {args.layers} --steps {args.steps}"
           f"{f' --vocab {args.vocab}' if args.vocab else ''}{' --keep-freed-memory' if args.keep_freed_memory else ''}` on "
           f"{result['machine']}, {result['cpu_count']} cores, torch {result['torch']}. Main model {args.layers} x "
-          f"{config.model.hidden_size}, aux {config.aux.num_layers} layers, generator {generator_layers(config.model)} layers, "
+          f"{config.model.hidden_size}, aux {config.aux.num_layers} layers, generator {config.aux.num_layers} layers, "
           f"{config.train.batch_size} rows x {config.corpus.max_seq_len} tokens per update; medians of {args.steps} "
           f"interleaved updates per method. Allocator while timing: {allocator}"
           f"{' (common/cpu_memory.py; the memory probes run with the default)' if allocator.endswith('kept') else ''}.", "",

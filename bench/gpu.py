@@ -249,7 +249,7 @@ def measure_efficiency(config, rows: int, accum: int, steps: int, device: torch.
         # (kept alive by the scheduler and the closures, fast-offline's weights and moments counted in electra's)
         reset_peak_memory(device)
         torch.manual_seed(0)
-        model = (ElectraPair(config.model, V) if name == "electra" else ReplacedTokenDetector(config.model, V)).to(device)
+        model = (ElectraPair(config.model, V, config.aux.num_layers) if name == "electra" else ReplacedTokenDetector(config.model, V)).to(device)
         if config.train.attention == "auto" and device.type == "cuda":  # as train.trainer.build_model does
             fused_attention.use_fused(model)
         optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale,

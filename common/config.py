@@ -320,7 +320,7 @@ class TrainConfig:
     each batch in the loop (same plan and code as generate/); 'electra': the original joint training;
     'mlm': the auxiliary masked LM itself (what `make aux` runs, with [train] composed from [aux])."""
     electra_lambda: float = 50.0
-    """'electra' only: loss = MLM + lambda * RTD (paper section 2: lambda = 50)."""
+    """'electra' only: loss = MLM + lambda * RTD (paper section 2; appendix A, METRO-ReImp: 70 base, 50 large)."""
     tensorboard: bool = False
     """Also write metrics.jsonl's scalars as TensorBoard events in the run's `tensorboard/` (the `tensorboard`
     extra)."""
@@ -624,13 +624,15 @@ SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 def trajectory_config(data: dict) -> dict:
     """The part of a config dict (`config_to_dict`) that decides a run's updates, for resume. The `mlm`
     objective (the aux model's run) reads neither [generate] nor the RTD loss's weight: every ablation edits
-    [generate] and shares one aux run."""
+    [generate] and shares one aux run; only `electra` reads the RTD loss's weight."""
     kept = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
     kept["train"] = {k: v for k, v in kept["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
     kept["aux"] = {k: v for k, v in kept["aux"].items() if k not in NOT_TRAJECTORY_AUX}
     kept["generate"] = {k: v for k, v in kept["generate"].items() if k not in SCHEDULING_ONLY}
+    if kept["train"].get("objective") != "electra":
+        kept["train"].pop("electra_lambda", None)
     if kept["train"].get("objective") == "mlm":
-        del kept["generate"], kept["train"]["electra_lambda"]
+        del kept["generate"]
     return kept
 
 

@@ -51,7 +51,7 @@ def encoder_depths(config: RunConfig) -> list[int]:
     """Depths of the encoders one micro-batch runs through with gradients."""
     depth = config.model.num_layers
     if config.train.objective == "electra":
-        return [depth, max(1, round(depth / 3))]  # discriminator and 1/3-depth generator (train/objectives.py)
+        return [depth, config.aux.num_layers]  # discriminator and generator (train/objectives.py)
     return [depth]
 
 

@@ -112,7 +112,7 @@ def measure_update_seconds(config: RunConfig, objective_name: str, corpus_dir: P
     torch.manual_seed(0)
     vocab = config.tokenizer.vocab_size
     electra = objective_name == "electra"
-    model = ElectraPair(config.model, vocab) if electra else ReplacedTokenDetector(config.model, vocab)
+    model = ElectraPair(config.model, vocab, config.aux.num_layers) if electra else ReplacedTokenDetector(config.model, vocab)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, tc.warmup_steps, repeats + 1)
     to_batch = partial(electra_tensors, seed=config.seed, mask_prob=g.mask_prob) if electra else to_tensors

@@ -9,15 +9,16 @@ from common.config import load_manifest
 from common.corrupt import Corruptor
 from tests.conftest import train_with
 from common.batching import masked_inputs
-from train.objectives import ElectraPair, generator_layers
+from train.objectives import ElectraPair
 from train.online import OnlineStream
 
 SHARED = ("encoder.embed.weight", "encoder.ln_embed.weight", "encoder.ln_embed.bias")
 
 
-def test_generator_is_a_third_deep_and_shares_the_embeddings(built):
-    pair = ElectraPair(built.model, 320)
-    assert generator_layers(built.model) == 1 and len(pair.generator.encoder.layers) == 1  # 2 / 3 -> 1
+def test_generator_has_the_aux_models_depth_and_shares_the_embeddings(built):
+    """Paper appendix A: ELECTRA's generator and the aux model have one size (base 4 layers, large 6)."""
+    pair = ElectraPair(built.model, 320, built.aux.num_layers)
+    assert len(pair.generator.encoder.layers) == built.aux.num_layers == 2
     for name in SHARED:
         assert pair.generator.get_parameter(name) is pair.discriminator.get_parameter(name)
     assert pair.generator.head.embedding.weight is pair.discriminator.encoder.embed.weight
@@ -65,7 +66,7 @@ def test_electra_objective_learns_and_its_checkpoint_keeps_the_sharing(built, ge
     _, state = latest_checkpoint(run / "checkpoints")
     for name in SHARED:  # saved once: both names point at one storage
         assert state["model"][f"generator.{name}"].data_ptr() == state["model"][f"discriminator.{name}"].data_ptr()
-    pair = ElectraPair(load_manifest(path).model, 320)
+    pair = ElectraPair(load_manifest(path).model, 320, load_manifest(path).aux.num_layers)
     pair.load_state_dict(state["model"])
     for name in SHARED:  # one parameter for both, with the saved values
         assert pair.generator.get_parameter(name) is pair.discriminator.get_parameter(name)
@@ -87,7 +88,7 @@ def test_an_hf_tokenizers_reserved_ids_are_never_masked_nor_sampled_by_the_gener
         positions = choose_masked_positions(r, 0.5, row_rng(1, 0, 0), reserved, vocab)
         assert len(positions) == num_to_mask(30, 0.5) and not np.isin(r[positions], np.arange(300, 320)).any()
     assert masked_count(rows, 0.15, reserved, vocab) == 4 * num_to_mask(30, 0.15)
-    pair = ElectraPair(built.model, vocab, reserved).eval()
+    pair = ElectraPair(built.model, vocab, built.aux.num_layers, reserved).eval()
     with torch.no_grad():
         pair.generator.head.bias[vocab - 1] = 1e4  # the generator would sample the last id every time
     captured = []

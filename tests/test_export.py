@@ -437,7 +437,7 @@ def test_an_electra_baseline_run_exports_its_discriminator(built, tmp_path):
     config = dataclasses.replace(built, train=dataclasses.replace(built.train, objective="electra"))
     tok = open_tokenizer(built.corpus_dir)
     torch.manual_seed(2)
-    pair = ElectraPair(config.model, tok.vocab_size).eval()
+    pair = ElectraPair(config.model, tok.vocab_size, config.aux.num_layers).eval()
     out = export(from_run(save_run(config, pair, tmp_path / "run")), tmp_path / "hf", log=lambda *a: None)
     ids = torch.tensor([[2, 7, 9, 11, 3], [2, 8, 3, 0, 0]])
     mask = (ids != 0).long()

@@ -266,5 +266,5 @@ def test_a_micro_batch_with_no_padded_row_runs_the_model_without_a_mask(monkeypa
     shapes.clear()
     electra = electra_tensors({"input_ids": rows["input_ids"][:2], "row_id": [0, 1], "epoch": [0, 0]})
     assert electra["padded"] is False
-    forward_losses(ElectraPair(cfg, 100), electra, cpu, True)  # the generator's layer, then the detector's
+    forward_losses(ElectraPair(cfg, 100, 1), electra, cpu, True)  # the generator's layer, then the detector's
     assert shapes == [1] * (1 + cfg.num_layers)

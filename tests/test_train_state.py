@@ -72,6 +72,21 @@ def test_the_aux_models_run_resumes_whatever_generate_and_the_rtd_weight_say(tmp
         _restore(tmp_path, config)
 
 
+def test_the_rtd_weight_of_electra_counts_for_electra_runs_only(tmp_path):
+    """`train.electra_lambda` weighs the `electra` objective's RTD loss and nothing else: a fast-offline run
+    resumes whatever it says (a preset giving the baseline its paper value), an electra run does not."""
+    config, _ = _saved_run(tmp_path)
+    config.train.electra_lambda = 70.0
+    assert _restore(tmp_path, config)[0] is not None
+    config = tiny_config(tmp_path / "electra", train={"objective": "electra"})
+    model, optimizer, scheduler = _parts(config)
+    state.save(tmp_path / "electra" / "ckpt", 2, state.Progress(step=1, history={}), model, optimizer, scheduler,
+               config, "data-key", 0, 1, torch.device("cpu"))
+    config.train.electra_lambda = 70.0
+    with pytest.raises(IncompatibleInputs, match=r"train\.electra_lambda changed"):
+        _restore(tmp_path / "electra", config)
+
+
 def test_resume_refuses_a_changed_trajectory_naming_the_keys(tmp_path):
     config, _ = _saved_run(tmp_path)
     config.train.lr, config.generate.t0 = 5e-3, 3.0

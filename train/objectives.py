@@ -3,10 +3,11 @@ ELECTRA joint training, the baseline Fast-ELECTRA saves against. The trainer, `b
 experiments all compute their losses here.
 
 `electra`, paper section 2: a generator G (an MLM) and the discriminator D are trained together,
-    L = L_MLM(G) + lambda * L_RTD(D),  lambda = 50,
+    L = L_MLM(G) + lambda * L_RTD(D),  lambda = `train.electra_lambda` (appendix A: 70 base, 50 large),
 with masking and sampling done online, no gradient through the sampling, and the token
 embeddings (and their LayerNorm) shared between G and D. The generator here has the main
-model's width and 1/3 of its depth (paper section 4.3, efficiency analysis). Masked
+model's width and the aux model's depth, `[aux] num_layers` (paper appendix A: the generator and the
+auxiliary model have one size, 4 layers at base, 6 at large). Masked
 positions and sampling uniforms are generate/'s own per-row draws (`common.curriculum.row_draws`),
 at T = 1: ELECTRA samples from its generator as it is.
 """
@@ -23,19 +24,14 @@ from common.model import MaskedLM, ReplacedTokenDetector
 from common.tokenizer import Reserved
 
 
-def generator_layers(cfg: ModelConfig) -> int:
-    """1/3 of the main depth (base: 12 -> 4), at least one layer."""
-    return max(1, round(cfg.num_layers / 3))
-
-
 class ElectraPair(nn.Module):
     """Generator + discriminator with shared token embeddings and embedding LayerNorm."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, reserved: Reserved = Reserved()):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, generator_layers: int, reserved: Reserved = Reserved()):
         super().__init__()
         self.reserved = reserved  # never sampled: the specials, and an hf: tokenizer's unused entries
         self.discriminator = ReplacedTokenDetector(cfg, vocab_size)
-        self.generator = MaskedLM(cfg, vocab_size, generator_layers(cfg))
+        self.generator = MaskedLM(cfg, vocab_size, generator_layers)
         shared = self.discriminator.encoder
         self.generator.encoder.embed = shared.embed          # the same modules, not copies
         self.generator.encoder.ln_embed = shared.ln_embed

@@ -203,7 +203,7 @@ def build_model(config: RunConfig, vocab_size: int, prior: float, device: torch.
     if config.train.objective == "mlm":  # the aux model: its own depth, no RTD head
         model = detector = MLMObjective(config.model, vocab_size, config.model.num_layers).to(device)
     elif config.train.objective == "electra":  # generator + discriminator, embeddings shared
-        model = ElectraPair(config.model, vocab_size, reserved).to(device)
+        model = ElectraPair(config.model, vocab_size, config.aux.num_layers, reserved).to(device)
         detector = model.discriminator
     else:
         model = detector = ReplacedTokenDetector(config.model, vocab_size).to(device)
