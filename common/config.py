@@ -104,8 +104,8 @@ class ModelConfig:
             # rel_max_distance, which must lie past the exact ones
             raise ConfigError(f"model.rel_buckets must be >= 4 and rel_max_distance > rel_buckets / 4, got "
                               f"{self.rel_buckets} and {self.rel_max_distance}")
-        if self.rel_bias_locality < 0:
-            raise ConfigError(f"model.rel_bias_locality must be >= 0, got {self.rel_bias_locality}")
+        if not 0 <= self.rel_bias_locality < math.inf:  # nan fails too
+            raise ConfigError(f"model.rel_bias_locality must be a finite number >= 0, got {self.rel_bias_locality}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if not 0.0 <= self.dropout < 1.0:
@@ -412,8 +412,8 @@ class ReproduceConfig:
             raise ConfigError(f"reproduce.checkpoints must be >= 1, got {self.checkpoints}")
         if not 0.0 < self.plan_fraction <= 1.0:
             raise ConfigError(f"reproduce.plan_fraction must be in (0, 1], got {self.plan_fraction}")
-        if self.trainer_startup_s < 0 or self.generation_startup_s < 0:
-            raise ConfigError("reproduce.trainer_startup_s and generation_startup_s must be >= 0")
+        if not (0 <= self.trainer_startup_s < math.inf and 0 <= self.generation_startup_s < math.inf):
+            raise ConfigError("reproduce.trainer_startup_s and generation_startup_s must be finite numbers >= 0")
 
 
 @dataclass
@@ -436,6 +436,10 @@ class RunConfig:
     reproduce: ReproduceConfig = field(default_factory=ReproduceConfig)
 
     # Default locations of each stage's output.
+    def __post_init__(self):
+        if self.seed < 0:  # numpy's seeding and the corpus's keyed hashes take unsigned integers
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+
     @property
     def corpus_dir(self) -> Path:
         return location(self.shared_dir or self.work_dir) / "corpus"  # a folder or an s3:// prefix
@@ -553,7 +557,10 @@ def apply_sets(data: dict, sets=()) -> dict:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {assignment!r}: {k} is not a table")
-        node[keys[-1]] = value
+        if len(keys) == 1 and isinstance(value, dict) and isinstance(node.get(keys[0]), dict):
+            node[keys[0]] = merge_tables(node[keys[0]], value)  # a section, key by key as `extends` does
+        else:
+            node[keys[-1]] = value
     return data
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,8 +89,9 @@ class GridConfig:
                 raise ConfigError(f"finetune.grid.{name} must hold at least one value")
             if len(set(values)) != len(values):
                 raise ConfigError(f"finetune.grid.{name} repeats a value: {values}")
-        if min(self.lr) <= 0 or min(self.epochs) < 1 or min(self.batch_size) < 1 or min(self.weight_decay) < 0:
-            raise ConfigError("finetune.grid: lr > 0, epochs >= 1, batch_size >= 1, weight_decay >= 0")
+        if (not all(0 < v < math.inf for v in self.lr) or min(self.epochs) < 1 or min(self.batch_size) < 1
+                or not all(0 <= v < math.inf for v in self.weight_decay)):  # nan fails the comparisons
+            raise ConfigError("finetune.grid: lr > 0, epochs >= 1, batch_size >= 1, weight_decay >= 0 (finite)")
         if not all(0.0 <= w < 1.0 for w in self.warmup_fraction):
             raise ConfigError(f"finetune.grid.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
 
@@ -132,17 +134,19 @@ class FinetuneConfig:
     rows that pre-training grew as fast as fresh ones (`finetune.rescale_embedding_rows`). 0 = keep."""
 
     def __post_init__(self):
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"finetune.seeds must be distinct and non-empty, got {self.seeds}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ConfigError(f"finetune.seeds must be distinct numbers >= 0, at least one, got {self.seeds}")
         if self.max_seq_len < 4:
             raise ConfigError(f"finetune.max_seq_len must be >= 4, got {self.max_seq_len}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"finetune.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0 or self.clip_norm <= 0 or not self.dropout < 1.0:
-            raise ConfigError("finetune: eps > 0, clip_norm > 0, dropout < 1 (negative: the pre-trained model's)")
-        if self.max_steps < 0 or self.eval_batch_size < 1 or self.length_pool < 1 or self.embedding_row_rms < 0:
-            raise ConfigError("finetune: max_steps >= 0, eval_batch_size >= 1, length_pool >= 1, "
-                              "embedding_row_rms >= 0")
+        if not (0 < self.eps < math.inf and 0 < self.clip_norm <= math.inf and self.dropout < 1.0):
+            raise ConfigError("finetune: eps > 0 (finite), clip_norm > 0, dropout < 1 (negative: the pre-trained "
+                              "model's)")
+        if not 0 <= self.embedding_row_rms < math.inf:
+            raise ConfigError(f"finetune.embedding_row_rms must be a finite number >= 0, got {self.embedding_row_rms}")
+        if self.max_steps < 0 or self.eval_batch_size < 1 or self.length_pool < 1:
+            raise ConfigError("finetune: max_steps >= 0, eval_batch_size >= 1, length_pool >= 1")
 
 
 def resolve_config(toml_path: str | Path | None = None, sets: list[str] = (),

@@ -54,10 +54,19 @@ def test_wrong_type_and_bad_values_are_errors():
     ("generate", "actors_per_gpu", 0, "generate.actors_per_gpu must be >= 1, got 0"),
     ("generate", "valid_rows", -1, "generate.valid_rows must be >= 0, got -1"),  # was a plan of no validation shard
     ("generate", "threads_per_worker", 0, "generate.threads_per_worker must be >= 1, got 0"),  # was found in an actor
+    ("model", "rel_bias_locality", float("inf"), "model.rel_bias_locality must be a finite number >= 0, got inf"),
+    ("model", "rel_bias_locality", float("nan"), "model.rel_bias_locality must be a finite"),  # was read as 0
+    ("reproduce", "trainer_startup_s", float("nan"), "reproduce.trainer_startup_s and generation_startup_s must"),
 ])
 def test_out_of_range_values_are_errors_naming_key_and_value(section, key, value, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict({section: {key: value}})
+
+
+def test_a_negative_seed_is_an_error():  # was a traceback in a Ray worker (corpus) or numpy (generate, aux)
+    with pytest.raises(ConfigError, match="^seed must be >= 0, got -1$"):
+        config_from_dict({"seed": -1})
+    assert config_from_dict({"seed": 0}).seed == 0
 
 
 def test_the_edges_of_the_ranges_still_load():

@@ -186,6 +186,13 @@ def test_config_defaults_glue_layouts_overrides_and_round_trip(tmp_path):
         (tmp_path / "bad.toml").write_text("[train]\nlr = 1.0\n")
         resolve_config(tmp_path / "bad.toml")
     assert len(GridConfig(lr=[1e-4, 3e-4], epochs=[2, 3], batch_size=[16]).points()) == 4
+    # values that passed as `not <= 0` and failed in the optimizer, the seeding or the first update
+    for assignment, message in (("eps=nan", "eps > 0"), ("clip_norm=nan", "clip_norm > 0"),
+                                ("grid.lr=[nan]", "lr > 0"), ("grid.weight_decay=[inf]", "weight_decay >= 0"),
+                                ("seeds=[-1]", "seeds must be distinct numbers >= 0"),
+                                ("embedding_row_rms=nan", "embedding_row_rms must be a finite number >= 0")):
+        with pytest.raises(ConfigError, match=message):
+            resolve_config(sets=[assignment])
 
 
 def test_adamax_weight_decay_is_decoupled_and_skips_biases():

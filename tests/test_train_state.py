@@ -1,5 +1,7 @@
 """train/state.py: a checkpoint saved and restored in one place; resume compares only the settings that
 change the updates, so editing [sweep], [reproduce] or the logging intervals does not stop `make train`."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -112,6 +114,11 @@ def test_set_overrides_any_manifest_key_and_refuses_unknown_ones(tmp_path):
         load_manifest(path, ["train.no_such_key=1"])
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_manifest(path, ["train.lr"])
+    # a section given as a table overrides its keys as `extends` does, not the whole section with defaults
+    config = load_manifest(path, ["train={lr=2e-3}"])
+    assert config.train == dataclasses.replace(tiny_config(tmp_path).train, lr=2e-3)
+    config = load_manifest(path, ["sweep.train={warmup_steps=[1, 2]}", "sweep.train={lr=[1e-4]}"])
+    assert config.sweep.train == {"lr": [1e-4]}  # a table-valued setting is a value: replaced
 
 
 def test_a_rank_without_a_gpu_of_its_own_stops_with_a_clear_error(monkeypatch):
