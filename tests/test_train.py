@@ -218,7 +218,8 @@ def test_the_logged_peak_memory_is_the_trainers_own_not_its_launchers(generated,
                 "held[::4096] = b'x' * len(range(0, len(held), 4096))  # resident\n"
                 f"sys.exit(subprocess.run(sys.argv[1:]).returncode)\n")
     result = subprocess.run([sys.executable, "-c", launcher, sys.executable, "-m", "train", "--manifest", str(manifest),
-                             "--data", str(data), "--out", str(run), "--set", "train.max_steps=2"], cwd=ROOT,
+                             "--data", str(data), "--out", str(run), "--set", "train.max_steps=2",
+                             "--set", "train.warmup_steps=8"], cwd=ROOT,
                             env=env_with_repo, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = [json.loads(line)["peak_memory_mb"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -226,6 +227,9 @@ def test_the_logged_peak_memory_is_the_trainers_own_not_its_launchers(generated,
     # 2 steps of a stream made for more: said, since its rows' temperatures were set for the whole stream
     assert re.search(r"train: note: this run reads \d+% of a stream made for \d+ steps of 8 rows", result.stdout), \
         result.stdout[-2000:]
+    # and a warm-up longer than the run: the peak learning rate is never reached
+    assert ("train: note: warmup_steps = 8 > the run's 2 updates: the learning rate reaches 0.00025 at most, 25% of "
+            "its peak 0.001") in result.stdout, result.stdout[-2000:]
 
 
 def test_a_micro_batch_with_no_padded_row_runs_the_model_without_a_mask(monkeypatch):

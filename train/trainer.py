@@ -356,6 +356,10 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                   f"made for {stream.num_rows // tc.batch_size} steps of {tc.batch_size} rows: its last rows are "
                   f"not at the end of the temperature schedule (generate a stream for this budget: "
                   f"generate.epochs = 0)")
+        if tc.warmup_steps > total_steps > 0:  # a smoke run may want it; a real one never does
+            print(f"train: note: warmup_steps = {tc.warmup_steps} > the run's {total_steps} updates: the learning "
+                  f"rate reaches {tc.lr * total_steps / tc.warmup_steps:.3g} at most, "
+                  f"{total_steps / tc.warmup_steps:.0%} of its peak {tc.lr:g}")
         if "start" not in history:
             history["start"] = {"step": 0, **evaluate_now(detector, valid, device, autocast)}
     if checking is not None:
