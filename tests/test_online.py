@@ -70,3 +70,14 @@ def test_each_rank_corrupts_on_its_own_gpu_named_by_index(built, generated, monk
             open_streams(dataclasses.replace(config, train=dataclasses.replace(config.train, objective=objective)),
                          args, torch.device("cuda", 1))
     assert seen == [("cuda:1", True), ("cuda:1", False)]
+
+
+def test_an_online_runs_data_key_names_the_device_kind_that_corrupts_its_batches():
+    """fast-online's batches come from the aux model's kernels on the trainer's device (bf16 on a GPU): a GPU
+    run's checkpoint is not resumed on the CPU; CPU runs keep their former key; electra (no corruption) too."""
+    import hashlib
+    import json
+    from train.online import online_data_key
+    former = lambda corrupt: hashlib.sha256(json.dumps({"online": "k", "corrupt": corrupt}).encode()).hexdigest()
+    assert online_data_key("k", True, "cpu") == former(True) != online_data_key("k", True, "cuda")
+    assert online_data_key("k", False, "cuda") == online_data_key("k", False, "cpu") == former(False)

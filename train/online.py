@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, read_aux_meta
 from common.config import RunConfig
@@ -100,4 +101,14 @@ def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: 
     valid = RowsInMemory({"input_ids": corrupted["input_ids"], "labels": [l.astype(bool) for l in corrupted["labels"]],
                           "temperature": np.ones(count, np.float32), "stream_index": ids})
     key = generation_key(config.seed, g, meta, aux["sha256"], stream.num_rows)
-    return stream, valid, meta["vocab_size"], hashlib.sha256(json.dumps({"online": key, "corrupt": corrupt}).encode()).hexdigest()
+    return stream, valid, meta["vocab_size"], online_data_key(key, corrupt, torch.device(device).type)
+
+
+def online_data_key(generation: str, corrupt: bool, device_kind: str) -> str:
+    """What a checkpoint of an online run must resume on. With `corrupt`, the aux model's kernels on this device
+    kind make every batch (bf16 on a GPU, fp32 on the CPU: other draws), as the shards' records name theirs: a run
+    is not resumed on the other kind. CPU runs keep the key they had before the device counted."""
+    identity = {"online": generation, "corrupt": corrupt}
+    if corrupt and device_kind != "cpu":
+        identity["device"] = device_kind
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
