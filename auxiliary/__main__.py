@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from auxiliary.mlm import AuxRunError, aux_is_current, train_aux, use_hf_aux
+from auxiliary.mlm import AuxRunError, train_aux, use_hf_aux
+from common.aux_record import aux_is_current
 from common.checkpoint import AUX_FILE, AUX_META
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.corpus import local_corpus

@@ -40,7 +40,7 @@ def shaped_config(manifest: str, seq_len: int, batch: int, micro: int, layers: i
     """The manifest's aux run config (its depth, [train] from [aux]; with `objective` "fast-offline" its
     main model and [train]) at this sequence length and batch; `layers`, `hidden` and `vocab` replace the
     model's shape when given (calibration)."""
-    from auxiliary.mlm import aux_run_config
+    from common.aux_record import aux_run_config
     config = aux_run_config(load_manifest(manifest)) if objective == "mlm" else load_manifest(manifest)
     data = config_to_dict(config)
     data["corpus"]["max_seq_len"] = seq_len

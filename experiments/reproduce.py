@@ -318,7 +318,7 @@ def save_plans(out: Path, base: RunConfig, plans: dict) -> None:
 def prepare_shared(base: RunConfig, manifest: Path, out: Path) -> dict:
     """Corpus and aux model (skipped when current); their measured seconds, kept in prep.json."""
     from corpus.build import corpus_is_current
-    from auxiliary.mlm import aux_is_current
+    from common.aux_record import aux_is_current
     path = out / "prep.json"
     prep = json.loads(path.read_text()) if path.is_file() else {}
     for stage, module, current in (

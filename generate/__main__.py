@@ -56,7 +56,7 @@ def main(argv=None) -> int:
 def check_aux_current(config) -> None:
     """The manifest's own aux model (no --aux): the one its [aux] settings, corpus and hf: source make, not one
     left by other settings (its shards would be described by a manifest that did not make them)."""
-    from auxiliary.mlm import aux_is_current
+    from common.aux_record import aux_is_current
     if not aux_is_current(config, config.corpus_dir, config.aux_dir):
         raise IncompatibleInputs(f"{config.aux_dir / AUX_FILE} was not made by this manifest's [aux] settings, "
                                  f"corpus and source ({config.aux.source or 'trained here'}): `make aux` "

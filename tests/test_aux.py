@@ -292,7 +292,7 @@ def test_the_mlm_update_never_counts_masked_positions_on_the_device(built):
 def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_weight_change(built, tmp_path):
     """Every ablation edits [generate] and shares one aux model; the aux run's intervals and the RTD loss's
     weight do not change its updates: none of them may start a fresh aux run (for base, 125K updates)."""
-    from auxiliary.mlm import aux_is_current
+    from common.aux_record import aux_is_current
     edited = dataclasses.replace(
         built, generate=dataclasses.replace(built.generate, t0=3.0, schedule="constant", zstd_level=3, epochs=5),
         aux=dataclasses.replace(built.aux, eval_every=1, log_every=1, ckpt_every=3),
@@ -300,7 +300,7 @@ def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_wei
     assert aux_is_current(edited, built.corpus_dir, built.aux_dir)
     # an aux model published before the key left these out (aux.json's key by the former formula) stays current
     import shutil
-    from auxiliary.mlm import run_key
+    from common.aux_record import run_key
     from common.checkpoint import AUX_META
     legacy = run_key(built, built.corpus_dir, legacy=True)
     assert legacy != run_key(built, built.corpus_dir)
@@ -323,7 +323,8 @@ def test_an_aux_run_started_under_the_former_key_is_resumed_not_redone(built, tm
     checkpoints instead of starting afresh beside them."""
     import os
     import shutil
-    from auxiliary.mlm import run_key, train_aux
+    from auxiliary.mlm import train_aux
+    from common.aux_record import run_key
     aux = tmp_path / "aux"
     shutil.copytree(built.aux_dir, aux)
     new, legacy = (f"run-{run_key(built, built.corpus_dir, legacy=flag)}" for flag in (False, True))

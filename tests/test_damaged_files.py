@@ -123,7 +123,7 @@ def test_a_damaged_corpus_json_is_named_and_the_corpus_stage_builds_it_again(bui
 
 
 def test_a_damaged_aux_json_is_named_and_the_aux_stage_publishes_it_again(built, tmp_path):
-    from auxiliary.mlm import aux_is_current
+    from common.aux_record import aux_is_current
     aux = shutil.copytree(built.aux_dir, tmp_path / "aux")
     assert aux_is_current(built, built.corpus_dir, aux)
     (aux / AUX_META).write_text('{"sha256": "ab"}')
@@ -138,7 +138,7 @@ def test_a_damaged_aux_json_is_named_and_the_aux_stage_publishes_it_again(built,
 def test_an_aux_pt_that_is_not_the_one_its_aux_json_names_says_make_aux_and_make_aux_publishes_again(built, tmp_path):
     """A kill between publishing aux.pt and aux.json (or aux.pt replaced): the generator's load names both
     hashes and the remedy, and the aux stage does not take the pair as current."""
-    from auxiliary.mlm import aux_is_current
+    from common.aux_record import aux_is_current
     from common.checkpoint import load_aux
     aux = shutil.copytree(built.aux_dir, tmp_path / "aux")
     with open(aux / AUX_FILE, "ab") as f:

@@ -171,7 +171,8 @@ def test_new_weights_in_a_sharded_model_make_the_aux_record_stale(hf_dirs, tmp_p
     hash covers the shards, so weights replaced under the same names are a new aux model (a new generation
     key), not the old record reused."""
     import shutil
-    from auxiliary.mlm import aux_is_current, use_hf_aux
+    from auxiliary.mlm import use_hf_aux
+    from common.aux_record import aux_is_current
     from corpus.build import build_corpus
     raw, dirs = hf_dirs
     source = shutil.copytree(dirs["bert"], tmp_path / "sharded")

@@ -1,0 +1,67 @@
+"""What identifies our own auxiliary model's run and tells whether a published aux.pt is the one a manifest
+makes: read by `python -m auxiliary` (which trains and publishes it) and `python -m generate` (which refuses
+the manifest's own aux model made by other settings), so it lives below both stages."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from common.checkpoint import AUX_FILE, read_aux_meta
+from common.config import NOT_TRAJECTORY, NOT_TRAJECTORY_TRAIN, SCHEDULING_ONLY, RunConfig, config_to_dict, trajectory_config
+from common.corpus import load_corpus_meta
+from common.io import DamagedFile, sha256_file
+from common.sources import CorpusError
+
+
+def aux_run_config(config: RunConfig) -> RunConfig:
+    """The trainer's config for the aux model: its depth, and [train] composed from [aux] (batch,
+    micro-batch, steps, lr, warm-up, intervals) with the main model's optimizer settings (betas, eps,
+    weight decay, clipping, the position bias's lr multiplier) and no embedding multiplier (the MLM
+    output layer is tied to the embeddings). Initialised from the run's seed."""
+    a = config.aux
+    train = dataclasses.replace(config.train, objective="mlm", batch_size=a.batch_size, micro_batch=a.micro_batch,
+                                lr=a.lr, warmup_steps=a.warmup_steps, max_steps=a.steps, embed_lr_scale=1.0,
+                                eval_every=a.eval_every, log_every=a.log_every, ckpt_every=a.ckpt_every,
+                                allow_short_stream=False, verify_shards=False, seed=config.seed)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=a.num_layers), train=train)
+
+
+def run_key(config: RunConfig, corpus_dir: Path, legacy: bool = False) -> str:
+    """What the aux run's updates depend on: the composed config's trajectory (`trajectory_config`: not
+    [generate], the aux run's intervals or the RTD loss's weight) and the corpus. `legacy`: the key as it was
+    made before 2026-11-26 (all of [generate], the intervals and the weight in it), by which aux models
+    published then are still current and their unfinished runs still found."""
+    meta = load_corpus_meta(corpus_dir)
+    parts = [p["sha256"] for split in ("train", "valid") for p in meta[split]["parts"]]
+    data = config_to_dict(aux_run_config(config))
+    if legacy:
+        trajectory = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
+        trajectory["train"] = {k: v for k, v in data["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
+        trajectory["generate"] = {k: v for k, v in data["generate"].items() if k not in SCHEDULING_ONLY}
+    else:
+        trajectory = trajectory_config(data)
+    blob = {"config": trajectory, "corpus": parts, "tokenizer": meta["tokenizer_sha256"]}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
+    """True if aux.pt matches its aux.json, the current corpus's tokenizer and the manifest's sizes."""
+    try:
+        meta = read_aux_meta(out_dir / AUX_FILE)
+        corpus = load_corpus_meta(corpus_dir)
+    except (FileNotFoundError, CorpusError, DamagedFile):  # a damaged aux.json: published again from the run
+        return False
+    if config.aux.source or meta.get("kind") == "hf":
+        from common import hf
+        source = hf.hf_dir(config.aux.source)
+        return (meta.get("kind") == "hf" and source is not None and meta["source"] == str(source)
+                and meta["tokenizer_sha256"] == corpus["tokenizer_sha256"]
+                and hf.model_unchanged(source, meta["model_sha256"])
+                and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
+    return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
+            and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps
+            and meta.get("metrics", {}).get("run_key") in (run_key(config, corpus_dir),
+                                                            run_key(config, corpus_dir, legacy=True))
+            and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
