@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import machine
 from common.memory import peak_rss_bytes
 from common.config import config_from_dict, config_to_dict, load_manifest
 from common.io import atomic_write_json, atomic_write_text
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         "peak_rss_no_accumulation_mb": alone["peak_rss_bytes"] / 2**20,
         "seconds_per_update_1x": one["seconds"] / 2, "seconds_per_update_8x": eight["seconds"] / 2,
         "shapes": rows, "manifest": args.manifest, "seq_len": args.seq_len, "micro_batch": args.micro,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "machine": f"{machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d"),
     }
     out = Path(args.out)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import machine
 from common.config import dump_toml, load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from common.sources import paragraphs, read_unit, shakespeare_folder, source_files, work_units
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     limit_in_run = megabytes[1] / runs["1x_1"]["seconds"]["encode_in_pack"]
     fixed_s = max(r["wall_s"] - passes(r) for r in runs.values())
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "machine": f"{machine()}, Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "corpus_mb": megabytes[1], "corpus_4x_mb": megabytes[4],
         "mb_per_s": mb2, "mb_per_s_1_worker": mb1, "tokenizer_limit_mb_per_s": limit_in_run,

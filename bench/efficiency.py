@@ -33,7 +33,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import machine
 from bench.flops import PRESETS, Encoder, encoder_forward_flops, output_layer_flops
 from common.checkpoint import AUX_FILE, save_aux
 from common.cpu_memory import keep_freed_memory
@@ -329,7 +329,7 @@ def run(args, config, data_dir: Path, vocab: int, aux_path: Path) -> int:
         **design_ratios(seconds, memory, analytic), "analytic_flops_ratios": analytic,
         "generation_seconds_per_update": g, "break_even_runs": break_even,
         "steps_per_mode": args.steps, "block": args.block, "torch": torch.__version__, "cpu_count": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "machine": machine(),
     }
     stem = "efficiency" if device.type == "cpu" else "efficiency-gpu"
     if vocab != config.tokenizer.vocab_size:  # the default shape's results stay where they are

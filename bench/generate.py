@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import machine
 from common.memory import peak_rss_bytes
 from common.checkpoint import AUX_FILE
 from common.config import load_manifest
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
         "host_tokens_per_s": level["host_tokens_per_s"], "zstd_level": base_level, "zstd_table": zstd,
         **{f"single_worker_{k}": v for k, v in speed.items()},
         **{f"ray_{k}": v for k, v in scaling.items()},
-        "device": "cpu", "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "device": "cpu", "machine": machine(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__, "manifest": args.manifest,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

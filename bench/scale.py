@@ -32,6 +32,7 @@ Writes bench/results/scale.json and scale.md.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import platform
 import shutil
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import machine
 from common.memory import _proc_bytes, peak_rss_bytes
 from common.config import config_from_dict, config_to_dict, dump_toml, load_manifest
 from common.io import atomic_write_json, atomic_write_text
@@ -358,7 +360,7 @@ def main(argv=None) -> int:
     parts = set(args.parts.split(","))
     result = json.loads((out / "scale.json").read_text()) if parts != {"driver", "read", "start", "corpus", "decide",
                                                                          "preflight", "generation"} else {}
-    result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {platform.python_version()}"})
+    result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{machine()}, Python {platform.python_version()}, torch {importlib.metadata.version('torch')}"})
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for name, measure in (("driver", driver_memory), ("read", rank_reading), ("start", start_time),
                               ("corpus", corpus_memory), ("decide", decide_memory), ("preflight", preflight_error),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench import machine
 from common.config import load_manifest
 from common.io import atomic_write_json, atomic_write_text
 from common.model import ReplacedTokenDetector
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     config = load_manifest(args.manifest)
     data_dir = Path(args.data) if args.data else config.epochs_dir
     result = {**measure(config, data_dir, args.steps, args.block), "manifest": args.manifest,
-              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpu_count": os.cpu_count(),
+              "machine": machine(), "cpu_count": os.cpu_count(),
               "torch": torch.__version__}
     out = Path(args.out)
     stem = "train" if result["device"] == "cpu" else "train-gpu"

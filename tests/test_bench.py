@@ -113,7 +113,10 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     monkeypatch.setattr(gpu, "reset_peak_memory", lambda device: (
         real_reset(device), live.append(sum(type(o) is torch.nn.Parameter for o in gc.get_objects()))))
     efficiency = gpu.measure_efficiency(config, rows=2, accum=1, steps=2, device=cpu)
-    assert calls == [("fast-offline", 1)] * 4 + [("electra", 1)] * 4
+    # each mode's peak alone (2 updates), then both built: a warm-up each, and the timed updates alternating
+    offline, electra = ("fast-offline", 1), ("electra", 1)
+    assert calls == [offline] * 2 + [electra] * 2 + [offline, electra] * 3, calls
+    assert (efficiency["timed_blocks"], efficiency["timed_updates_per_mode"]) == (2, 2)
     assert len(live) == 2 and live[1] == live[0], live
     assert efficiency["offline_vs_electra_time"] > 0 and efficiency["offline_vs_electra_memory"] > 0
     # the attention backend, named from the profiler: on CPU the fused kernel refuses a bias that needs a
@@ -141,6 +144,14 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     assert draws["positions"] * draws["vocab"] <= 2**26 < (draws["positions"] + 1) * draws["vocab"]
     assert draws["same_id_fraction"] >= 0.98 and draws["top1_hits_equal"] is True
     assert attention["sdpa_dense_bias_kernels"] == ["aten::_scaled_dot_product_attention_math"]
+
+
+def test_the_utilisation_is_against_the_peak_of_the_card_that_ran():
+    """A PCIe or NVL card is not measured against its SXM part's peak; an unknown one gets no utilisation."""
+    from bench.gpu import bf16_peak
+    assert bf16_peak("NVIDIA H100 80GB HBM3") == bf16_peak("NVIDIA H200") == 989.4e12
+    assert bf16_peak("NVIDIA H100 PCIe") == 756e12 and bf16_peak("NVIDIA H100 NVL") == bf16_peak("NVIDIA H200 NVL") == 835e12
+    assert bf16_peak("NVIDIA A100-SXM4-80GB") == 312e12 and bf16_peak("NVIDIA B200") is None
 
 
 def test_bench_gpu_times_generation_in_processes_sharing_the_device():
