@@ -9,6 +9,7 @@ import sys
 
 from auxiliary.mlm import AuxRunError, train_aux, use_hf_aux
 from common.aux_record import aux_is_current
+from common.process import Interrupted
 from common.checkpoint import AUX_FILE, AUX_META
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.corpus import local_corpus
@@ -46,6 +47,9 @@ def main(argv=None) -> int:
             for name in ("resolved_manifest.toml", AUX_FILE, AUX_META):
                 (out / name).upload(local / name)
             print(f"aux: uploaded to {out}")
+    except Interrupted as e:
+        print(f"aux: {e}", file=sys.stderr)
+        return 130
     except AuxRunError as e:  # the trainer has printed its own error
         print(f"error: {e}", file=sys.stderr)
         return e.code if 0 < e.code < 256 else 1

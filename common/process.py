@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 from common.io import _alive
 
@@ -38,15 +39,32 @@ def trainer_command(nproc: int) -> list[str]:
     return [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node", str(nproc), "-m", "train"]
 
 
+class Interrupted(Exception):
+    """A child trainer stopped by Ctrl-C (after a checkpoint): the command that launched it stops too."""
+
+
 def run_child(cmd: list[str], env: dict | None = None) -> int:
     """Run a stage's command (a trainer: `python -m train`, or torchrun through train/launch.py) for a
     parent that launches them (the sweep, the aux stage, reproduce) and return its exit code. The child is
     asked (`stop_with_launcher`) to take SIGTERM when the parent dies, killed included: the trainer then
     checkpoints and stops (torchrun passes it on to its ranks) instead of training on, holding the run
-    folder, beside the parent's rerun."""
+    folder, beside the parent's rerun. Ctrl-C reaches the child from the terminal itself, and it stops after a
+    checkpoint (`train.trainer.StopRequest`): this process waits for that, where `subprocess.run` would kill it
+    on its own KeyboardInterrupt, and then raises `Interrupted`."""
     child_env = dict(os.environ if env is None else env)
     child_env[LAUNCHER_ENV] = str(os.getpid())
-    return subprocess.run(cmd, env=child_env).returncode
+    with subprocess.Popen(cmd, env=child_env) as child:
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # after the fork: not the child's
+        try:
+            code = child.wait()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+    if code == 128 + signal.SIGINT:
+        raise Interrupted("stopped by Ctrl-C, the trainer's last update checkpointed; rerun the same command to "
+                          "continue")
+    return code
 
 
 def stop_with_launcher() -> None:

@@ -54,7 +54,7 @@ from finetune.finetuner import finetune, load_backbone
 from finetune.config import dump_toml as dump_finetune_toml, resolve_config
 from finetune.glue import TaskError
 from finetune.rotten_tomatoes import write_pretraining_corpus
-from common.process import run_child
+from common.process import Interrupted, run_child
 
 # What each pre-trained method changes in the manifest (the paper's curricula are [generate] settings).
 METHOD_SETTINGS = {
@@ -402,6 +402,9 @@ def main(argv=None) -> int:
         manifest = Path(args.manifest)
         out = Path(args.out) if args.out else Path(load_manifest(manifest).work_dir)
         reproduce(manifest, out, Path(args.tasks_dir), args.budget)
+    except Interrupted as e:
+        print(f"reproduce: {e}", file=sys.stderr)
+        return 130
     except (ConfigError, CorpusError, TaskError, IncompatibleInputs, RuntimeError, DamagedFile, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

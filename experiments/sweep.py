@@ -25,7 +25,7 @@ from common.config import (ConfigError, RunConfig, add_manifest_argument, add_se
                            config_to_dict, dump_toml, load_manifest, trajectory_config)
 from common.io import DamagedFile, DiskFull, atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
-from common.process import run_child, trainer_command
+from common.process import Interrupted, run_child, trainer_command
 
 METRICS = ("loss", "accuracy", "precision", "recall", "auc")
 
@@ -124,6 +124,9 @@ def main(argv=None) -> int:
         data_dir = location(args.data) if args.data else config.epochs_dir
         out_dir = location(args.out) if args.out else location(config.work_dir) / "sweeps" / config.name
         rows = sweep(config, data_dir, out_dir, args.nproc)
+    except Interrupted as e:  # the next run would start at once: the sweep stops with its trainer
+        print(f"sweep: {e}", file=sys.stderr)
+        return 130
     except (ConfigError, DataError, IncompatibleInputs, DamagedFile, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

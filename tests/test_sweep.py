@@ -99,3 +99,36 @@ def test_a_killed_sweep_stops_its_trainer_with_a_checkpoint_and_only_results_of_
     # --set (make's CORPUS= and AUX= pass their work folder so) reaches every run's config: the edit undone
     result = rerun("--set", f"train.warmup_steps={values['train']['warmup_steps'] - 1}")
     assert result.returncode == 0 and result.stdout.count("already finished") == 2, result.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_sweep_after_its_trainer_checkpoints(generated, tmp_path, env_with_repo):
+    """Ctrl-C reaches the sweep and its trainer alike (one process group, as a terminal sends it): the trainer
+    stops after the update in flight with a checkpoint, the sweep waits for it (it killed the trainer, on its own
+    KeyboardInterrupt) and ends with 130 without starting the next run."""
+    import os
+    import signal
+    import sys
+    import time
+    from train.__main__ import SLOW_ENV
+    manifest, data, _ = generated
+    values = config_to_dict(load_manifest(manifest))
+    values["train"].update({"max_steps": 6, "log_every": 1, "ckpt_every": 1000})
+    values["sweep"] = {"train": {"lr": [1e-3, 4e-3]}}
+    sweep_manifest = tmp_path / "sweep.toml"
+    sweep_manifest.write_text(dump_toml(config_from_dict(values)))
+    out = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.sweep", "--manifest", str(sweep_manifest), "--data",
+                             str(data), "--out", str(out)], cwd=ROOT, env={**env_with_repo, SLOW_ENV: "0.4"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics, deadline = out / "lr=0.001" / "metrics.jsonl", time.time() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.time() < deadline and proc.poll() is None, "the first run did not log two steps"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert "sweep: stopped by Ctrl-C" in output and "train: stopped by Ctrl-C after step" in output, output[-3000:]
+    stopped = len(metrics.read_text().splitlines())
+    assert [p.name for p in (out / "lr=0.001" / "checkpoints").iterdir()] == [f"step-{stopped:08d}.pt"]
+    assert not (out / "lr=0.004").exists()

@@ -81,10 +81,10 @@ def main(argv=None) -> int:
             FloatingPointError) as e:  # FloatingPointError: K non-finite losses in a row (train.trainer)
         tqdm.write(f"error: {e}", file=sys.stderr)  # on a line of its own, not after the progress bar's
         return leave(2)
-    except Stopped:  # as if SIGTERM had ended it, a scheduler sees the run unfinished; a shard read that was
-        sys.stdout.flush()  # still waiting for the generator is not waited for
+    except Stopped as e:  # as if the signal had ended it, a scheduler sees the run unfinished; a shard read that
+        sys.stdout.flush()  # was still waiting for the generator is not waited for
         sys.stderr.flush()
-        os._exit(128 + signal.SIGTERM)
+        os._exit(128 + e.signum)
     return leave(0)
 
 

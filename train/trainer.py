@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -465,11 +466,11 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         board.close()
     if stopped:  # not finished: no summary.json (what marks a finished run), the checkpoint says where it is
         if is_main:
-            print(f"train: stopped by SIGTERM after step {progress.step} of {total_steps}, checkpoint {saved}; "
-                  f"the same command with --resume continues", flush=True)
+            print(f"train: stopped by {stop.name if stop.signal else 'a signal to another rank'} after step "
+                  f"{progress.step} of {total_steps}, checkpoint {saved}; {RESUMING}", flush=True)
             plot_curves(run_dir)
         barrier(world)  # the process group is left for the process's end (train/__main__.py, `leave`)
-        raise Stopped()
+        raise Stopped(stop.signal or signal.SIGTERM)
     elapsed = time.time() - t_start
     summary = {}
     if is_main:
@@ -489,33 +490,50 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     return summary
 
 
+RESUMING = "rerun the same command to continue (make train resumes by itself; python -m train with --resume)"
+
+
 class Stopped(Exception):
-    """The run stopped early on SIGTERM (`StopRequest`); what it kept has been said."""
+    """The run stopped early on SIGTERM or Ctrl-C (`StopRequest`); what it kept has been said."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class StopRequest:
-    """SIGTERM (a cluster's preemption, torchrun passing on its own) while the loop runs (`armed`) asks it to
-    stop after the update in flight, with a checkpoint, instead of losing up to `ckpt_every` updates; before
-    and after the loop it stops the trainer at once (Stopped, so the run folder is released). Only the main
-    thread can take a signal; elsewhere (a test calling `train` from a thread) nothing is installed."""
+    """SIGTERM (a cluster's preemption, torchrun passing on its own) or Ctrl-C (SIGINT, which a terminal sends
+    to make, the trainer and its ranks alike) while the loop runs (`armed`) asks it to stop after the update in
+    flight, with a checkpoint, instead of losing up to `ckpt_every` updates; a second Ctrl-C stops it at once.
+    Before and after the loop it stops the trainer at once (Stopped, so the run folder is released). Only the
+    main thread can take a signal; elsewhere (a test calling `train` from a thread) nothing is installed."""
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.signal, self.armed, self._previous = None, False, None
+        self.signal, self.armed, self._previous = None, False, {}
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._ask)
+            self._previous = {s: signal.signal(s, self._ask) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
+
+    @property
+    def name(self) -> str:
+        return "Ctrl-C" if self.signal == signal.SIGINT else "SIGTERM"
 
     def _ask(self, signum, frame) -> None:
+        again = self.signal == signal.SIGINT == signum
         self.signal = signum
-        if not self.armed:
-            raise Stopped()
+        if not self.armed or again:
+            raise Stopped(signum)
+        if signum == signal.SIGINT:
+            print("\ntrain: Ctrl-C: stopping after the update in flight, with a checkpoint (Ctrl-C again stops at "
+                  "once, without one)", file=sys.stderr, flush=True)
 
     def wait_for(self, future, what: str, ckpt_dir: Path, say: bool):
         """`future`'s result; a SIGTERM while it is not there (a step waiting for the generator's shards)
@@ -529,10 +547,9 @@ class StopRequest:
                 if self.signal is not None:
                     if say:
                         newest = list_checkpoints(ckpt_dir)
-                        print(f"train: stopped by SIGTERM while waiting for {what}; the newest checkpoint "
-                              f"({newest[-1] if newest else 'none yet'}) stays, the same command with --resume "
-                              f"continues from it", flush=True)
-                    raise Stopped() from None
+                        print(f"train: stopped by {self.name} while waiting for {what}; the newest checkpoint "
+                              f"({newest[-1] if newest else 'none yet'}) stays; {RESUMING}", flush=True)
+                    raise Stopped(self.signal) from None
 
 
 def write_summary(run_dir: Path, history: dict, total_steps: int, dropped_rows: int,
