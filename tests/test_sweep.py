@@ -48,6 +48,13 @@ def test_make_sweep_reuses_the_shards_and_never_runs_the_generator(generated, tm
     table = (out / "sweep.md").read_text()
     assert table.count("| 0.001 |") == 1 and table.count("| 0.004 |") == 1
     assert summary["best_by_val_auc"] in ("lr=0.001", "lr=0.004")
+    # a DATA= folder the generation has not finished: the way to finish it names that folder, not the default
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    result = subprocess.run(["make", "--no-print-directory", "sweep", f"MANIFEST={sweep_manifest}",
+                             f"DATA={unfinished}", f"SWEEP={out}"], cwd=ROOT, env=env_with_repo, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode != 0 and f"`make generate-epochs DATA={unfinished}`" in result.stderr, result.stderr
 
 
 def test_a_killed_sweep_stops_its_trainer_with_a_checkpoint_and_only_results_of_these_shards_and_settings_stand(

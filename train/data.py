@@ -48,7 +48,8 @@ def load_data_manifest(data_dir, config: RunConfig) -> tuple[dict, str]:
     """Read manifest.json, check it against the config; returns (manifest, its data fingerprint)."""
     path = location(data_dir) / MANIFEST_FILE
     if not path.is_file():
-        raise DataError(f"{path} does not exist: run `make generate-epochs` (an unfinished generation has no manifest)")
+        raise DataError(f"{path} does not exist: generate the folder (`make generate-epochs DATA={data_dir}`, or "
+                        f"`python -m generate --out {data_dir}`; an unfinished generation has no manifest)")
     manifest = read_json(path, ("vocab_size", "max_seq_len", "schema", "epochs", "valid"), REGENERATE)
     check_data(manifest, data_dir, config)
     return manifest, data_fingerprint(manifest)
