@@ -31,9 +31,11 @@ endif
 # shards, runs), so switching corpora back and forth reuses what each one built.
 CORPUS_ID := $(if $(CORPUS),$(notdir $(abspath $(CORPUS)))-$(shell printf '%s' '$(abspath $(CORPUS))' | sha256sum | cut -c1-8))
 # An hf: aux model brings its tokenizer, so everything made with it gets a folder of its own too.
-AUX_ID := $(if $(AUX),$(notdir $(patsubst hf:%,%,$(AUX)))-$(shell printf '%s' '$(AUX)' | sha256sum | cut -c1-8))
+# (a trailing slash is the same folder: AUX=hf:/models/x/ gets x's work folder, not a second one named "-HASH")
+AUX_PATH := $(patsubst %/,%,$(AUX))
+AUX_ID := $(if $(AUX),$(notdir $(patsubst hf:%,%,$(AUX_PATH)))-$(shell printf '%s' '$(AUX_PATH)' | sha256sum | cut -c1-8))
 WORK   := $(if $(CORPUS),$(MANIFEST_WORK)/corpora/$(CORPUS_ID),$(MANIFEST_WORK))$(if $(AUX),/aux-models/$(AUX_ID))
-SETS   := $(if $(CORPUS),--set corpus.source=$(abspath $(CORPUS))) $(if $(AUX),--set aux.source=$(AUX)) \
+SETS   := $(if $(CORPUS),--set corpus.source=$(abspath $(CORPUS))) $(if $(AUX),--set aux.source=$(AUX_PATH)) \
           $(if $(CORPUS)$(AUX),--set work_dir=$(WORK) --set shared_dir=)
 DATA_DIR := $(if $(DATA),$(DATA),$(WORK)/epochs)
 RUN_DIR  := $(if $(RUN),$(RUN),$(WORK)/runs/default)
@@ -80,8 +82,9 @@ GEN_LOG := $(if $(findstring ://,$(DATA_DIR)),$(WORK)/generate.log,$(patsubst %/
 # SIGUSR1 (README: a run's stacks) must not end this recipe's shell, whose command line names the trainer too
 train: aux
 	@trap ':' USR1; mkdir -p $(dir $(GEN_LOG)); \
+	echo "--- make train, $$(date '+%F %T')" >> $(GEN_LOG); \
 	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS)) \
-	    > $(GEN_LOG) 2>&1 & gen=$$!; \
+	    >> $(GEN_LOG) 2>&1 & gen=$$!; \
 	trap 'kill $$gen 2>/dev/null; exit 130' INT TERM; \
 	echo "generate: writing $(DATA_DIR) in the background (log: $(GEN_LOG)); the trainer follows it"; \
 	$(LAUNCH) -m train --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(RUN_DIR) --resume \
@@ -122,8 +125,9 @@ finetune-floor: setup
 
 # The newest checkpoint of RUN as a Hugging Face model directory (remote code, safetensors, tokenizer, model
 # card; needs the .[hf] extra, which setup installs): docs/export.md. Reads the run, trains nothing.
+# Without EXPORT=, RUN/hf is make export's own folder: a later export (after more training) replaces it.
 export: setup
-	$(PY) -m export --run $(RUN_DIR) --out $(if $(EXPORT),$(EXPORT),$(RUN_DIR)/hf)
+	$(PY) -m export --run $(RUN_DIR) --out $(if $(EXPORT),$(EXPORT),$(RUN_DIR)/hf --force)
 
 # The paper's claim at small scale: ELECTRA, Fast-ELECTRA, fixed aux, term frequency and no pre-training
 # under one wall-clock budget per method (BUDGET seconds; default in manifests/reproduce.toml), each
@@ -176,5 +180,10 @@ test: setup
 test-fast: setup
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
+# Everything made under WORK (corpus, aux model, shards, runs, sweeps, exports; hours to days at base): said
+# first, deleted with YES=1.
 clean:
+	@if [ "$(YES)" != 1 ]; then echo "make clean deletes $(WORK) ($$(du -sh $(WORK) 2>/dev/null | cut -f1 || \
+	    echo 'not there')): its corpus, aux model, shards, runs, sweeps and exports; make clean YES=1 does it" >&2; \
+	    exit 2; fi
 	rm -rf $(WORK)

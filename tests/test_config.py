@@ -167,3 +167,25 @@ def test_make_targets_after_the_shards_use_the_work_folder_of_your_corpus(tmp_pa
         assert expected in " ".join(out.split()), (target, out)
     assert "--corpus" not in subprocess.run(["make", "-n", "finetune-floor"], cwd=ROOT, capture_output=True,
                                             text=True).stdout  # the manifest's own corpus (or its shared_dir)
+
+
+def test_make_clean_says_what_it_deletes_until_yes_and_an_aux_path_with_a_slash_is_the_same_folder(tmp_path):
+    """`make clean` deletes all of the work folder (hours to days at base): it says so and wants YES=1. `AUX=` with
+    and without a trailing slash is one model, one work folder. `make export` replaces its own RUN/hf, never an
+    EXPORT= folder (dry runs, but clean's)."""
+    import subprocess
+    work = tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(f'extends = "{ROOT / "manifests" / "tiny.toml"}"\nwork_dir = "{work}"\n')
+    make = lambda *args: subprocess.run(["make", "--no-print-directory", *args, f"MANIFEST={manifest}"], cwd=ROOT,
+                                        capture_output=True, text=True)
+    result = make("clean")
+    assert result.returncode != 0 and f"make clean deletes {work} (" in result.stderr, result.stderr
+    assert "make clean YES=1 does it" in result.stderr and (work / "runs").is_dir()
+    assert make("clean", "YES=1").returncode == 0 and not work.exists()
+    folders = [make("-n", "corpus", f"AUX=hf:{tmp_path / 'models' / 'mlm'}{slash}").stdout.split("--set work_dir=")[1]
+               .split()[0] for slash in ("", "/")]
+    assert folders[0] == folders[1] and "/aux-models/mlm-" in folders[0], folders
+    assert f"--out {work}/runs/default/hf --force" in make("-n", "export").stdout
+    assert "--force" not in make("-n", "export", f"EXPORT={tmp_path / 'mine'}").stdout
