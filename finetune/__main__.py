@@ -45,6 +45,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((out / "results.md").read_text())
+    print(f"finetune: {out / 'results.md'}, results.json and each run's seed-*.json in {out / 'runs'}")
     return 0
 
 

@@ -232,12 +232,13 @@ def run_cli(backbone_files, task, out, *extra):
     return finetune_cli.main(args)
 
 
-def test_finetune_runs_grid_and_seeds_and_reports_median_and_spread(backbone_files, tmp_path):
+def test_finetune_runs_grid_and_seeds_and_reports_median_and_spread(backbone_files, tmp_path, capsys):
     torch.set_num_threads(1)
     task = write_task(tmp_path / "polarity", sentiment_rows(96, 0), sentiment_rows(40, 1))
     sets = ["--set", "grid.lr=[1e-4, 1e-2]", "--set", "grid.batch_size=[16]", "--set", "grid.epochs=[4]",
             "--set", "seeds=[1, 2, 3]"]
     assert run_cli(backbone_files, task, tmp_path / "out", *sets) == 0
+    assert f"finetune: {tmp_path / 'out' / 'results.md'}, results.json" in capsys.readouterr().out  # where it went
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [p["point"]["lr"] for p in results["points"]] == [1e-4, 1e-2]
     for point in results["points"]:

@@ -295,3 +295,9 @@ def test_ctrl_c_stops_after_the_update_in_flight_with_a_checkpoint_and_a_second_
     result = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env_with_repo, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and f"at step {stopped}" in result.stdout, result.stderr[-3000:]
+    # the finished run resumed again (`make train` twice): it says so, and its summary (its speed) stands
+    summary = (run / "summary.json").read_bytes()
+    result = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env_with_repo, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "was already complete at step 12; nothing to train" in result.stdout
+    assert (run / "summary.json").read_bytes() == summary and "0 tokens/s" not in result.stdout, result.stdout

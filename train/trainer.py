@@ -479,9 +479,15 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         if following and stream.follower.waits:
             print(f"train: followed the generation, waiting {stream.follower.waited_s:.1f}s in all for "
                   f"{stream.follower.waits} shard(s)")
-        summary = write_summary(run_dir, history, progress.step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
-                                progress.nonfinite_total, device, planned_steps=total_steps,
-                                corpus=config.corpus.source, data_fingerprint=manifest_hash)
+        finished = run_dir / "summary.json"
+        if not tokens_seen and finished.is_file():  # a finished run resumed (make train again): its summary stands
+            summary = json.loads(finished.read_text())
+            print(f"train: the run in {run_dir} was already complete at step {progress.step}; nothing to train, "
+                  f"its summary:\n\n{summary_text(summary)}")
+        else:
+            summary = write_summary(run_dir, history, progress.step, dropped_rows, tokens_seen / max(elapsed, 1e-9),
+                                    progress.nonfinite_total, device, planned_steps=total_steps,
+                                    corpus=config.corpus.source, data_fingerprint=manifest_hash)
     # Every rank is past its last collective here; the process group is not torn down but left to the process's
     # end (`os._exit` in train/__main__.py, `leave`): gloo's teardown deadlocked (a rank hung after the summary, once in
     # CI): the main thread, holding the GIL, joined a gloo thread that was freeing the last barrier's work and
