@@ -17,15 +17,21 @@ def _snapshot(folder):
     return {str(p.relative_to(folder)): (sha256_file(p), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _sweep_manifest(manifest, tmp_path, **train):
+    """The session's manifest with 6 updates, `train`, and a grid of two learning rates; (its path, its values)."""
+    values = config_to_dict(load_manifest(manifest))
+    values["train"].update({"max_steps": 6, **train})
+    values["sweep"] = {"train": {"lr": [1e-3, 4e-3]}}
+    path = tmp_path / "sweep.toml"
+    path.write_text(dump_toml(config_from_dict(values)))
+    return path, values
+
+
 def test_make_sweep_reuses_the_shards_and_never_runs_the_generator(generated, tmp_path, env_with_repo):
     if not (ROOT / ".venv" / ".installed").is_file():
         pytest.skip("`make sweep` needs the project venv; run the suite with `make test`")
     manifest, data, _ = generated
-    values = config_to_dict(load_manifest(manifest))
-    values["train"].update({"max_steps": 6, "eval_every": 3, "ckpt_every": 3})
-    values["sweep"] = {"train": {"lr": [1e-3, 4e-3]}}
-    sweep_manifest = tmp_path / "sweep.toml"
-    sweep_manifest.write_text(dump_toml(config_from_dict(values)))
+    sweep_manifest, _ = _sweep_manifest(manifest, tmp_path, eval_every=3, ckpt_every=3)
     before = _snapshot(data)
     assert any(name.endswith(".parquet") for name in before) and "manifest.json" in before
 
@@ -68,11 +74,7 @@ def test_a_killed_sweep_stops_its_trainer_with_a_checkpoint_and_only_results_of_
     import time
     from train.__main__ import SLOW_ENV
     manifest, data, _ = generated
-    values = config_to_dict(load_manifest(manifest))
-    values["train"].update({"max_steps": 6, "log_every": 1, "eval_every": 3, "ckpt_every": 1000})
-    values["sweep"] = {"train": {"lr": [1e-3, 4e-3]}}
-    sweep_manifest = tmp_path / "sweep.toml"
-    sweep_manifest.write_text(dump_toml(config_from_dict(values)))
+    sweep_manifest, values = _sweep_manifest(manifest, tmp_path, log_every=1, eval_every=3, ckpt_every=1000)
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "experiments.sweep", "--manifest", str(sweep_manifest), "--data", str(data),
            "--out", str(out)]
@@ -119,11 +121,7 @@ def test_ctrl_c_stops_the_sweep_after_its_trainer_checkpoints(generated, tmp_pat
     import time
     from train.__main__ import SLOW_ENV
     manifest, data, _ = generated
-    values = config_to_dict(load_manifest(manifest))
-    values["train"].update({"max_steps": 6, "log_every": 1, "ckpt_every": 1000})
-    values["sweep"] = {"train": {"lr": [1e-3, 4e-3]}}
-    sweep_manifest = tmp_path / "sweep.toml"
-    sweep_manifest.write_text(dump_toml(config_from_dict(values)))
+    sweep_manifest, _ = _sweep_manifest(manifest, tmp_path, log_every=1, ckpt_every=1000)
     out = tmp_path / "sweep"
     proc = subprocess.Popen([sys.executable, "-m", "experiments.sweep", "--manifest", str(sweep_manifest), "--data",
                              str(data), "--out", str(out)], cwd=ROOT, env={**env_with_repo, SLOW_ENV: "0.4"},

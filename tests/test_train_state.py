@@ -169,3 +169,21 @@ def test_every_rank_resumes_from_the_same_checkpoint_or_none_does(tmp_path):
     for rank in (0, 1):
         message = results[("node-local", rank)]
         assert "step-00000001.pt on rank 0; none on rank 1" in message and "shared file system" in message, message
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """The first Ctrl-C in the loop asks for a stop after the update in flight; a second one (the user does not
+    want to wait for it) stops at once, as Stopped, which ends the trainer with 130; SIGTERM never does."""
+    import signal
+    from train.trainer import StopRequest, Stopped
+    stop = StopRequest()
+    stop.armed = True
+    stop._ask(signal.SIGTERM, None)
+    stop._ask(signal.SIGTERM, None)  # a scheduler's repeated SIGTERM waits for the checkpoint too
+    stop = StopRequest()
+    stop.armed = True
+    stop._ask(signal.SIGINT, None)
+    assert stop.signal == signal.SIGINT and stop.name == "Ctrl-C"
+    with pytest.raises(Stopped) as stopped:
+        stop._ask(signal.SIGINT, None)
+    assert stopped.value.signum == signal.SIGINT
