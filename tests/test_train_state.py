@@ -98,6 +98,23 @@ def test_resume_refuses_a_changed_trajectory_naming_the_keys(tmp_path):
         _restore(tmp_path, tiny_config(tmp_path), key="other-data")
 
 
+def test_a_checkpoint_of_a_model_this_code_no_longer_builds_is_refused_in_one_line(tmp_path):
+    """The same settings, another model (an electra run saved when its generator was 1/3 of the main depth):
+    an error naming the checkpoint, not torch's traceback of missing keys."""
+    from train.objectives import ElectraPair
+    config = tiny_config(tmp_path, train={"objective": "electra"})
+    torch.manual_seed(0)
+    old = ElectraPair(config.model, 320, 1)  # the former depth, round(2 / 3)
+    optimizer = build_optimizer(old, config.train.lr, config.train.betas, config.train.eps, config.train.weight_decay)
+    state.save(tmp_path / "ckpt", 2, state.Progress(step=1, history={}), old, optimizer,
+               build_scheduler(optimizer, 2, 10), config, "data-key", 0, 1, torch.device("cpu"))
+    model = ElectraPair(config.model, 320, config.aux.num_layers)
+    optimizer = build_optimizer(model, config.train.lr, config.train.betas, config.train.eps, config.train.weight_decay)
+    with pytest.raises(IncompatibleInputs, match=r"step-00000001\.pt holds a model of another shape"):
+        state.restore(tmp_path / "ckpt", model, optimizer, build_scheduler(optimizer, 2, 10), config, "data-key",
+                      "DATA", 0, 1, torch.device("cpu"))
+
+
 def test_trajectory_config_keeps_what_decides_the_updates(tmp_path):
     kept = trajectory_config(config_to_dict(tiny_config(tmp_path)))
     assert "sweep" not in kept and "reproduce" not in kept and "work_dir" not in kept

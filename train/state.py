@@ -73,7 +73,12 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
     if saved != current:
         raise IncompatibleInputs(f"checkpoint {path} was made with another config ({', '.join(changed_keys(saved, current))} "
                                  f"changed); use a new --out")
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:  # the same settings, another model class: this project's model changed between them
+        raise IncompatibleInputs(f"checkpoint {path} holds a model of another shape than this code builds from the "
+                                 f"same settings ({str(e).splitlines()[0][:160]}; electra's generator took the aux "
+                                 f"model's depth on 2026-11-26): use a new --out") from None
     # the step's kernel is build_optimizer's, not the checkpoint's: one saved before the fused step resumes fused
     for saved_group, built in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
         saved_group["fused"], saved_group["foreach"] = built["fused"], built["foreach"]
