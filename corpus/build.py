@@ -732,6 +732,10 @@ def _publish(staging: Path, out_dir: Path) -> None:
     if (staging / "scan").is_dir():
         shutil.rmtree(staging / "scan")
     (staging / "progress.jsonl").unlink(missing_ok=True)
+    # every part is recorded and in place: a temporary left now is a stray writer's (a worker of a killed
+    # build that outlived its driver for a moment, seen once in the kill -9 test), not part of the corpus
+    for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
+        remove_stale_tmp(folder)
     publish_folder(staging, out_dir)
     (out_dir / "key.json").unlink()
 

@@ -785,3 +785,18 @@ def test_the_held_out_split_of_all_documents_at_once_is_the_one_by_one_rule():
                                  np.array(near, dtype=np.uint64)])
         expected = np.array([is_valid(int(h), fraction) for h in hashes])
         assert np.array_equal(valid_mask(hashes, fraction), expected), fraction
+
+
+def test_a_stray_temporary_in_the_staging_folder_is_not_published(tmp_path, monkeypatch):
+    """A worker of a killed build can outlive its driver long enough to leave `.part-N.parquet.tmp-PID` in the
+    staging folder the rerun then finishes (seen once in the kill -9 test above): publishing leaves it out."""
+    from corpus import build
+    staging = tmp_path / ".corpus.staging"
+    (staging / "documents").mkdir(parents=True)
+    (staging / "documents" / "part-00000.parquet").write_bytes(b"rows")
+    (staging / "documents" / ".part-00002.parquet.tmp-4866").write_bytes(b"cut short")
+    (staging / "key.json").write_text("{}")
+    monkeypatch.setattr(build, "term_counts", lambda folder: None)  # what it reads is not this test's
+    build._publish(staging, tmp_path / "corpus")
+    assert [p.relative_to(tmp_path / "corpus").as_posix() for p in sorted((tmp_path / "corpus").rglob("*"))] == [
+        "documents", "documents/part-00000.parquet"]
