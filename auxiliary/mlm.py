@@ -23,6 +23,7 @@ from common.aux_record import aux_run_config, run_key
 from common.checkpoint import latest_checkpoint, save_aux, save_hf_aux
 from common.config import RunConfig, dump_toml, save_resolved
 from common.corpus import load_corpus_meta
+from common.io import atomic_write_text
 from common.model import MaskedLM
 from common.sources import CorpusError
 from common.tokenizer import open_tokenizer
@@ -43,7 +44,7 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print, npr
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = run_dir / "aux_run.toml"
-    manifest.write_text(dump_toml(aux_run_config(config)))
+    atomic_write_text(manifest, dump_toml(aux_run_config(config)))  # never half a file beside the run
     command = [*trainer_command(nproc), "--manifest", str(manifest), "--corpus", str(corpus_dir),
                "--out", str(run_dir), "--resume"]
     log(f"aux: training in {run_dir} ({nproc} rank(s)): {' '.join(command[1:])}")

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -574,7 +575,54 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def load_manifest(path: str | Path, sets=()) -> RunConfig:
-    return config_from_dict(apply_sets(read_toml(path), sets))
+    data = apply_sets(read_toml(path), sets)
+    try:
+        return config_from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(named_error(path, e, sets)) from e
+
+
+_KEY_IN_MESSAGE = re.compile(r"^(?:unknown manifest key\(s\) )?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+
+
+def named_error(path: str | Path, error: ConfigError, sets=(), prefix: str = "") -> str:
+    """`error` (a value refused in the config read from `path`) naming the file, and where the key
+    was set when that is elsewhere: a file `path` extends, or a `--set` (`prefix`: the table the
+    checked keys live under, `finetune.` for a fine-tuning config)."""
+    message = str(error)
+    match = _KEY_IN_MESSAGE.match(message)
+    origin = None
+    if match and match.group(1).startswith(prefix):
+        origin = _origin(Path(path), match.group(1).split("."), prefix, sets)
+    return f"{path}: {message}" + (f" (set {origin})" if origin else "")
+
+
+def _origin(path: Path, keys: list[str], prefix: str, sets) -> str | None:
+    """Where `keys` (a dotted key, split) got its value, when not in `path` itself; a `--set` names
+    its key without `prefix`."""
+    relative = keys[len(prefix.split(".")) - 1:]
+    for assignment in reversed(list(sets) if relative else []):  # `finetune: ...` names no one key
+        set_keys = parse_set(assignment)[0]
+        if relative[:len(set_keys)] == set_keys or set_keys[:len(relative)] == relative:
+            return f"by --set {assignment}"
+    chain, current = [], path
+    while current is not None and current.is_file() and current not in chain:
+        chain.append(current)
+        try:
+            with current.open("rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError):
+            return None
+        node = data
+        for k in keys:
+            if not isinstance(node, dict) or k not in node:
+                break
+            node = node[k]
+        else:
+            return None if current == path else f"in {current}, which {path} extends"
+        base = data.get("extends")
+        current = current.parent / base if isinstance(base, str) else None
+    return None
 
 
 def config_to_dict(config: RunConfig) -> dict:
@@ -628,6 +676,24 @@ NOT_TRAJECTORY_AUX = ("eval_every", "log_every", "ckpt_every")  # the aux run's 
 SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 
 
+def generation_settings(generate: dict) -> dict:
+    """[generate] (a dict, `config_to_dict`'s) as the shards' bytes depend on it: without the keys that only
+    schedule the work, and the keys the chosen curriculum never reads at their defaults (`t0` of a uniform
+    stream, `gamma_max` under temperature scaling, `soh_alpha` outside the smoothed one-hot ones), so editing
+    one of those regenerates nothing and a config that never touched them keeps the key it had."""
+    defaults = dataclasses.asdict(GenerateConfig())
+    kept = {k: v for k, v in generate.items() if k not in SCHEDULING_ONLY}
+    distribution = kept.get("distribution", defaults["distribution"])
+    temperature = distribution == "aux" and kept.get("augmentation", defaults["augmentation"]) == "temperature"
+    scheduled = distribution in ("aux", "uniform_to_soh", "tf_to_soh")  # common.plan.has_schedule
+    unused = ["augmentation"] if distribution != "aux" else []
+    unused += [] if temperature else ["t0"]
+    unused += ["gamma_max"] if temperature or not scheduled else []
+    unused += [] if scheduled else ["schedule", "tau", "temperature_granularity"]
+    unused += [] if "soh" in distribution else ["soh_alpha"]
+    return {k: defaults[k] if k in unused else v for k, v in kept.items()}
+
+
 def trajectory_config(data: dict) -> dict:
     """The part of a config dict (`config_to_dict`) that decides a run's updates, for resume. The `mlm`
     objective (the aux model's run) reads neither [generate] nor the RTD loss's weight: every ablation edits
@@ -635,7 +701,7 @@ def trajectory_config(data: dict) -> dict:
     kept = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
     kept["train"] = {k: v for k, v in kept["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
     kept["aux"] = {k: v for k, v in kept["aux"].items() if k not in NOT_TRAJECTORY_AUX}
-    kept["generate"] = {k: v for k, v in kept["generate"].items() if k not in SCHEDULING_ONLY}
+    kept["generate"] = generation_settings(kept["generate"])
     if kept["train"].get("objective") != "electra":
         kept["train"].pop("electra_lambda", None)
     if kept["train"].get("objective") == "mlm":

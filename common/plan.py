@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import SCHEDULING_ONLY, ConfigError, GenerateConfig, RunConfig
+from common.config import ConfigError, GenerateConfig, RunConfig, generation_settings
 from common.curriculum import GENERATOR_STREAM, VALID_EPOCH, row_fraction, strength_at
 
 
@@ -240,9 +240,7 @@ def plan_tasks(num_train_rows: int, num_valid_rows: int, cfg: GenerateConfig, se
 def generation_key(seed: int, cfg: GenerateConfig, corpus_meta: dict, aux_sha256: str, total_rows: int) -> str:
     """Everything a shard's bytes depend on (docs/design.md, determinism), hashed: the seed, the
     [generate] settings, the tokenizer, every corpus part, the aux model and the stream's length."""
-    generate = dataclasses.asdict(cfg)  # threads_per_worker included: CPU kernels may round differently
-    for key in SCHEDULING_ONLY:  # the bytes do not depend on them (test_generate_resume)
-        del generate[key]
+    generate = generation_settings(dataclasses.asdict(cfg))  # threads_per_worker in: CPU kernels may round differently
     parts = {split: [p["sha256"] for p in corpus_meta[split]["parts"]] for split in ("train", "valid")}
     blob = {"seed": seed, "generate": generate, "tokenizer": corpus_meta["tokenizer_sha256"],
             "corpus_parts": parts, "aux": aux_sha256, "total_rows": total_rows,

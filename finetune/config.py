@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import ConfigError, apply_sets, build_config, read_toml, toml_value
+from common.config import ConfigError, apply_sets, build_config, named_error, read_toml, toml_value
 from finetune.glue import METRICS, glue_layout
 
 BUILTIN_TASKS = ("rotten_tomatoes",)
@@ -140,13 +140,17 @@ class FinetuneConfig:
             raise ConfigError(f"finetune.max_seq_len must be >= 4, got {self.max_seq_len}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"finetune.betas must be two numbers in [0, 1), got {self.betas}")
-        if not (0 < self.eps < math.inf and 0 < self.clip_norm <= math.inf and self.dropout < 1.0):
-            raise ConfigError("finetune: eps > 0 (finite), clip_norm > 0, dropout < 1 (negative: the pre-trained "
-                              "model's)")
+        if not 0 < self.eps < math.inf:
+            raise ConfigError(f"finetune.eps must be a finite number > 0, got {self.eps}")
+        if not 0 < self.clip_norm <= math.inf:
+            raise ConfigError(f"finetune.clip_norm must be > 0 (inf: no clipping), got {self.clip_norm}")
+        if not self.dropout < 1.0:
+            raise ConfigError(f"finetune.dropout must be < 1 (negative: the pre-trained model's), got {self.dropout}")
         if not 0 <= self.embedding_row_rms < math.inf:
             raise ConfigError(f"finetune.embedding_row_rms must be a finite number >= 0, got {self.embedding_row_rms}")
-        if self.max_steps < 0 or self.eval_batch_size < 1 or self.length_pool < 1:
-            raise ConfigError("finetune: max_steps >= 0, eval_batch_size >= 1, length_pool >= 1")
+        for key, least in (("max_steps", 0), ("eval_batch_size", 1), ("length_pool", 1)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"finetune.{key} must be >= {least}, got {getattr(self, key)}")
 
 
 def resolve_config(toml_path: str | Path | None = None, sets: list[str] = (),
@@ -166,7 +170,12 @@ def resolve_config(toml_path: str | Path | None = None, sets: list[str] = (),
     if task:
         task_table["path"] = task
     data["task"] = {**glue_layout(task_table.get("path", TaskConfig.path)), **task_table}
-    return build_config(FinetuneConfig, data, "finetune.")
+    try:
+        return build_config(FinetuneConfig, data, "finetune.")
+    except ConfigError as e:
+        if not toml_path:
+            raise
+        raise ConfigError(named_error(toml_path, e, sets, prefix="finetune.")) from e
 
 
 def dump_toml(config: FinetuneConfig) -> str:

@@ -114,6 +114,23 @@ def test_a_manifest_extends_another_table_by_table(tmp_path):
         load_manifest(tmp_path / "a.toml")
 
 
+def test_a_refused_value_names_the_manifest_and_where_the_key_was_set(tmp_path):
+    """The error names the file given, and the file of the `extends` chain or the --set that gave the value."""
+    (tmp_path / "base.toml").write_text("[train]\nlr = -1.0\n")
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[train]\nbatch_size = 8\n')
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'base.toml'}: train.lr must be a finite number > 0, got "
+                                          r"-1.0$"):
+        load_manifest(tmp_path / "base.toml")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'child.toml'}: train.lr .* \(set in "
+                                          rf"{tmp_path / 'base.toml'}, which {tmp_path / 'child.toml'} extends\)$"):
+        load_manifest(tmp_path / "child.toml")
+    with pytest.raises(ConfigError, match=r"warmup_steps must be >= 0, got -3 \(set by --set train.warmup_steps=-3\)$"):
+        load_manifest(tmp_path / "child.toml", ["train.lr=1e-3", "train.warmup_steps=-3"])
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'child.toml'}: unknown manifest key\(s\) train.batch_sise"
+                                          r"; known in train: .* \(set by --set train.batch_sise=3\)$"):
+        load_manifest(tmp_path / "child.toml", ["train.lr=1e-3", "train.batch_sise=3"])
+
+
 def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path):
     """`make` finds the work folder with the standard library before the venv exists (common/work_dir.py):
     for every checked-in manifest and one that only extends another, what load_manifest resolves."""

@@ -9,7 +9,7 @@ from common.checkpoint import AUX_FILE
 from common.config import GenerateConfig
 from common.corpus import TERM_COUNTS_FILE, load_corpus_meta, load_split, term_counts
 from common.tokenizer import SPECIAL_IDS
-from common.plan import generation_key
+from common.plan import epoch_curriculum, generation_key
 from common.corrupt import Corruptor
 
 CURRICULA = [
@@ -121,8 +121,9 @@ def test_generation_key_changes_with_every_setting_that_changes_the_bytes(built)
     meta = load_corpus_meta(built.corpus_dir)
     keys = {generation_key(1, GenerateConfig(**change), meta, "x", 100) for change in (
         {}, {"schedule": "constant"}, {"distribution": "uniform"}, {"augmentation": "drop_token", "gamma_max": 0.2},
-        {"soh_alpha": 0.3}, {"gamma_max": 0.5})}
-    assert len(keys) == 6
+        {"augmentation": "drop_token", "gamma_max": 0.3}, {"distribution": "uniform_to_soh", "soh_alpha": 0.3},
+        {"distribution": "uniform_to_soh"}, {"t0": 3.0}, {"zstd_level": 3}, {"batch_tokens": 4096})}
+    assert len(keys) == 10
     base = generation_key(1, GenerateConfig(), meta, "x", 100)
     assert generation_key(1, GenerateConfig(), meta, "x", 101) != base       # the stream's length
     assert generation_key(1, GenerateConfig(), meta, "y", 100) != base       # the aux model
@@ -242,3 +243,36 @@ def test_the_aux_heads_kept_logits_buffer_changes_no_value_and_is_reused(built):
         for part in (slice(0, len(hidden)), slice(3, 10), slice(0, 1)):
             assert torch.equal(kept._head(hidden[part]), kept.model.logits(hidden[part]))
     assert kept.scratch["logits"].data_ptr() == pointer
+
+
+# (distribution, augmentation) -> [generate] keys it never reads, with a value other than the default
+UNREAD = {("aux", "temperature"): {"gamma_max": 0.4, "soh_alpha": 0.2},
+          ("aux", "drop_token"): {"t0": 3.0, "soh_alpha": 0.2},
+          ("uniform", "temperature"): {"t0": 3.0, "tau": 0.3, "schedule": "constant", "gamma_max": 0.4,
+                                       "temperature_granularity": "epoch", "soh_alpha": 0.2},
+          ("smoothed_one_hot", "temperature"): {"tau": 0.3, "t0": 3.0, "gamma_max": 0.4, "schedule": "polynomial"},
+          ("uniform_to_soh", "temperature"): {"t0": 3.0}}
+
+
+@pytest.mark.parametrize("distribution,augmentation", list(UNREAD))
+def test_keys_a_curriculum_never_reads_change_neither_its_rows_nor_its_generation_key(built, distribution, augmentation):
+    """Editing such a key regenerates nothing; a config that never set one keeps the key it had before
+    2026-11-26 (the hex below: every folder generated with defaults)."""
+    meta = load_corpus_meta(built.corpus_dir)
+    plain = GenerateConfig(distribution=distribution, augmentation=augmentation, mask_prob=0.15, batch_tokens=200,
+                           epochs=2)
+    edited = GenerateConfig(**{**plain.__dict__, **UNREAD[distribution, augmentation]})
+    assert generation_key(1, edited, meta, "x", 100) == generation_key(1, plain, meta, "x", 100)
+    rows, ids = load_split(built.corpus_dir, "train")[:24], np.arange(24)
+    outs = []
+    for cfg in (plain, edited):
+        temps, gammas = epoch_curriculum(cfg, 1, ids + 30, 100)
+        corruptor = Corruptor.from_config(built.aux_dir / AUX_FILE, 3, cfg, built.corpus_dir)
+        outs.append(corruptor(rows, ids, epoch=1, temperatures=temps, gammas=gammas)["input_ids"])
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+    edited_used = GenerateConfig(**{**plain.__dict__, "mask_prob": 0.2})
+    assert generation_key(1, edited_used, meta, "x", 100) != generation_key(1, plain, meta, "x", 100)
+    defaults_meta = {"train": {"parts": [{"sha256": "a"}]}, "valid": {"parts": [{"sha256": "b"}]},
+                     "tokenizer_sha256": "t"}
+    assert generation_key(1, GenerateConfig(), defaults_meta, "x", 100) == \
+        "6c49c87f5934799c6a249fbcf65c62957e13f0788fa8f093d0cee4094ce445d9"

@@ -187,12 +187,20 @@ def test_config_defaults_glue_layouts_overrides_and_round_trip(tmp_path):
         resolve_config(tmp_path / "bad.toml")
     assert len(GridConfig(lr=[1e-4, 3e-4], epochs=[2, 3], batch_size=[16]).points()) == 4
     # values that passed as `not <= 0` and failed in the optimizer, the seeding or the first update
-    for assignment, message in (("eps=nan", "eps > 0"), ("clip_norm=nan", "clip_norm > 0"),
+    for assignment, message in (("eps=nan", "eps must be a finite number > 0, got nan"),
+                                ("clip_norm=nan", "clip_norm must be > 0 .inf: no clipping., got nan"),
                                 ("grid.lr=[nan]", "lr > 0"), ("grid.weight_decay=[inf]", "weight_decay >= 0"),
                                 ("seeds=[-1]", "seeds must be distinct numbers >= 0"),
                                 ("embedding_row_rms=nan", "embedding_row_rms must be a finite number >= 0")):
         with pytest.raises(ConfigError, match=message):
             resolve_config(sets=[assignment])
+    (tmp_path / "parent.toml").write_text("[finetune]\neps = -1.0\n")
+    (tmp_path / "child.toml").write_text('extends = "parent.toml"\n[finetune]\nmax_steps = 3\n')
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'child.toml'}: finetune.eps must be a finite number > 0, "
+                                          rf"got -1.0 \(set in {tmp_path / 'parent.toml'}, which .*child.toml extends\)$"):
+        resolve_config(tmp_path / "child.toml")
+    with pytest.raises(ConfigError, match=r": finetune.max_steps must be >= 0, got -1 \(set by --set max_steps=-1\)$"):
+        resolve_config(tmp_path / "child.toml", ["eps=1e-6", "max_steps=-1"])
 
 
 def test_adamax_weight_decay_is_decoupled_and_skips_biases():

@@ -22,7 +22,7 @@ import torch
 
 from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs, check_sizes
-from common.config import SCHEDULING_ONLY, RunConfig, config_to_dict
+from common.config import RunConfig, config_to_dict, generation_settings
 from common.corpus import CORPUS_META, REBUILD
 from common.io import FolderLock, _alive, owner_running, read_json, read_record, sha256_file
 from common.shards import (FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA, data_fingerprint,
@@ -211,10 +211,9 @@ def generation_difference(made_with: dict, config: RunConfig, most: int = 4) -> 
     """The seed and [generate] settings that differ between the config a folder was generated with (its
     manifest's `config`) and `config`, in words ("" when none do). Not the generation key: with
     `generate.epochs = 0` that also follows the stream's length from [train], which a sweep varies."""
-    ours = config_to_dict(config)
-    pairs = [("seed", made_with.get("seed"), ours["seed"])]
-    pairs += [(f"generate.{k}", v, ours["generate"].get(k)) for k, v in sorted(made_with.get("generate", {}).items())
-              if k not in SCHEDULING_ONLY]
+    ours = generation_settings(config_to_dict(config)["generate"])
+    pairs = [("seed", made_with.get("seed"), config.seed)]
+    pairs += [(f"generate.{k}", v, ours.get(k)) for k, v in sorted(generation_settings(made_with.get("generate", {})).items())]
     differ = [f"{key} {theirs!r}, here {mine!r}" for key, theirs, mine in pairs if theirs is not None and theirs != mine]
     return "; ".join(differ[:most]) + (f"; {len(differ) - most} more" if len(differ) > most else "")
 
