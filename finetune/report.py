@@ -57,10 +57,12 @@ def markdown(results: dict) -> str:
              f"labels {task['labels'] or 'regression'}",
              f"- dev metrics after the last update: median [min, max] and std over seeds; "
              f"best point by median {metric} (marked *)", ""]
-    head = [label for _, label in AXES] + ["seeds"] + names
+    head = [label for _, label in AXES] + ["updates", "seeds"] + names
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["points"]:
-        cells = [f"{row['point'][key]:g}" for key, _ in AXES] + [str(len(row["runs"]))]
+        # what ran: fewer updates than the epochs give where `max_steps` caps them
+        updates = "/".join(str(n) for n in sorted({r["steps"] for r in row["runs"]}))
+        cells = [f"{row['point'][key]:g}" for key, _ in AXES] + [updates, str(len(row["runs"]))]
         for m in names:
             s = row["summary"][m]
             cells.append(f"{s['median']:.4f} [{s['min']:.4f}, {s['max']:.4f}] ±{s['std']:.4f}")

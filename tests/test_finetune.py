@@ -266,7 +266,8 @@ def test_finetune_runs_grid_and_seeds_and_reports_median_and_spread(backbone_fil
                for r in fast["runs"])
     assert results["backbone"]["init"] == "pretrained" and results["backbone"]["step"] == 12
     md = (tmp_path / "out" / "results.md").read_text()
-    assert "| lr | epochs | batch |" in md and best["name"] in md
+    assert "| lr | epochs | batch | wd | warm-up | updates | seeds |" in md and best["name"] in md
+    assert "| 4 | 16 | 0.01 | 0.06 | 24 | 3 |" in md  # 96 examples / 16 x 4 epochs: what ran, beside the grid's epochs
     # a second invocation reuses every run: same files, same results
     runs = sorted((tmp_path / "out" / "runs").rglob("seed-*.json"))
     stamps = [p.stat().st_mtime_ns for p in runs]
