@@ -213,14 +213,17 @@ def wait_until_placed(actors: list, options: dict, note_after: float = 60.0) -> 
         ray.get(done)  # an actor that failed to start raises here
         waited += note_after
         if pending:
-            free = ray.available_resources()
-            cpu, gpu = free.get("CPU", 0.0), free.get("GPU", 0.0)
-            fits = cpu >= options["num_cpus"] and gpu >= options["num_gpus"]
-            print(f"generate: {len(pending)} of {len(actors)} actors not started after {waited:.0f} s; each asks "
-                  f"Ray for {options['num_cpus']:g} CPU and {options['num_gpus']:g} GPU, the cluster has {cpu:g} CPU "
-                  f"and {gpu:g} GPU free " + ("(enough: they are still starting, loading the aux model on a busy "
-                                             "machine)" if fits else "(lower --workers or [generate] "
-                                             "actors_per_gpu, or add nodes)"), flush=True)
+            print(not_started_note(len(pending), len(actors), waited, options, ray.available_resources()), flush=True)
+
+
+def not_started_note(pending: int, total: int, waited: float, options: dict, free: dict) -> str:
+    """What `wait_until_placed` says of actors not yet holding their aux model, given Ray's free resources."""
+    cpu, gpu = free.get("CPU", 0.0), free.get("GPU", 0.0)
+    fits = cpu >= options["num_cpus"] and gpu >= options["num_gpus"]
+    return (f"generate: {pending} of {total} actors not started after {waited:.0f} s; each asks Ray for "
+            f"{options['num_cpus']:g} CPU and {options['num_gpus']:g} GPU, the cluster has {cpu:g} CPU and {gpu:g} GPU "
+            "free " + ("(enough: they are still starting, loading the aux model on a busy machine)" if fits else
+                       "(lower --workers or [generate] actors_per_gpu, or add nodes)"))
 
 
 def _size(n: float) -> str:

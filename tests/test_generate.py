@@ -247,6 +247,16 @@ def test_a_gpus_actors_are_all_placed_on_a_local_ray_and_one_that_cannot_be_is_n
     assert re.search(r"generate: 1 of 1 actors not started after \d+ s; each asks Ray for 2 CPU and 0.333+ GPU, "
                      r"the cluster has [\d.]+ CPU and [\d.]+ GPU free \(lower --workers", result.stdout), result.stdout[-3000:]
 
+
+def test_actors_waiting_on_resources_that_are_free_are_said_to_be_still_starting():
+    from generate.job import not_started_note
+    options = {"num_cpus": 1, "num_gpus": 0.25}
+    assert not_started_note(2, 4, 60, options, {"CPU": 3.0, "GPU": 0.5}).endswith(
+        "the cluster has 3 CPU and 0.5 GPU free (enough: they are still starting, loading the aux model on a busy machine)")
+    assert not_started_note(2, 4, 60, options, {"CPU": 3.0}).endswith("0 GPU free (lower --workers or [generate] "
+                                                                     "actors_per_gpu, or add nodes)")
+
+
 def test_a_shards_record_says_where_its_time_went(built, tmp_path):
     """`phase_seconds`: reading, masking, waiting for the device, the aux model and sampling, labels, writing;
     in that order, adding up to the shard's time; a wait for the device lock (another shard's turn) is counted
