@@ -229,6 +229,8 @@ def test_make_train_does_not_blame_the_generator_it_stopped_when_the_trainer_die
     from train.__main__ import KILL_AT_STEP_ENV
     manifest, _, _ = generated
     data = tmp_path / "epochs"
+    log = tmp_path / "epochs.generate.log"  # the generator's log, beside the folder: each run appends
+    log.write_text("generate: an earlier run's last line\n")
     result = subprocess.run(["make", "--no-print-directory", "train", f"MANIFEST={manifest}", f"DATA={data}",
                              f"RUN={tmp_path / 'run'}", "WORKERS=1"], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env={**env_with_repo, GENERATE_SLOW_ENV: "1.0", KILL_AT_STEP_ENV: "2"})
@@ -236,6 +238,8 @@ def test_make_train_does_not_blame_the_generator_it_stopped_when_the_trainer_die
     assert "the generator failed" not in result.stderr, result.stderr[-3000:]
     assert not (data / "manifest.json").exists()  # it was stopped before the end
     assert "Error 137" in result.stderr, result.stderr[-3000:]  # the trainer's SIGKILL is what make reports
+    earlier, header, ours = log.read_text().partition("\n--- make train, ")
+    assert earlier == "generate: an earlier run's last line" and header and "generate: " in ours, log.read_text()[-2000:]
 
 
 @pytest.mark.slow
