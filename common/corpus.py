@@ -46,7 +46,11 @@ class SplitRows:
     not picklable (each process opens its own)."""
 
     def __init__(self, corpus_dir: str | Path, split: str, open_parts: int = 0):
-        meta = load_corpus_meta(corpus_dir)[split]
+        whole = load_corpus_meta(corpus_dir)
+        meta = whole[split]
+        # every row read is checked against these: a damaged part is one error naming it, not an allocation of
+        # terabytes or an index error in the model's embedding (on a GPU, a device-side assert)
+        self.max_len, self.vocab = int(whole["max_seq_len"]), int(whole["vocab_size"])
         self.corpus_dir, self.parts = Path(corpus_dir), meta["parts"]
         for part in self.parts:
             for kind in ("tokens", "offsets"):
@@ -73,9 +77,16 @@ class SplitRows:
         with self._lock:  # a part closed by another thread is never read here
             (tokens, t0), (offsets, o0) = self._part(k)
             begin, stop = np.frombuffer(os.pread(offsets, 16, o0 + 8 * j), dtype="<i8")
+            if not 0 <= begin <= stop <= begin + self.max_len:
+                raise CorpusError(f"{self._path(k, 'offsets')} is damaged: row {j} of it spans tokens {begin}..{stop} "
+                                  f"(rows hold at most {self.max_len}); rebuild the corpus")
             row = np.empty(int(stop - begin), dtype=np.int32)
             if os.preadv(tokens, [row], t0 + 4 * int(begin)) != row.nbytes:
                 raise CorpusError(f"{self._path(k, 'tokens')} ends before row {j} of it; rebuild the corpus")
+        if row.size and int(row.view(np.uint32).max()) >= self.vocab:  # a negative id too, read unsigned
+            bad = int(row[(row < 0) | (row >= self.vocab)][0])
+            raise CorpusError(f"{self._path(k, 'tokens')} is damaged: row {j} of it holds token id {bad}, outside the "
+                              f"vocabulary of {self.vocab}; rebuild the corpus")
         return row
 
     def _path(self, k: int, kind: str) -> Path:

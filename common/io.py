@@ -323,7 +323,8 @@ def fsync_dir(folder: Path) -> None:
 
 
 class FolderLocked(RuntimeError):
-    """Another live process is writing the folder."""
+    """The folder cannot be taken for writing: another live process is writing it, or a file stands where
+    it or a folder above it should be."""
 
 
 class FolderLock:
@@ -349,7 +350,12 @@ class FolderLock:
     def acquire(self) -> "FolderLock":
         import time
         host = _host()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            blocking = next((p for p in [self.path.parent, *self.path.parent.parents] if p.exists() and not p.is_dir()),
+                            self.path.parent)
+            raise FolderLocked(f"cannot write {self.folder}: {blocking} is a file, not a folder") from None
         for _ in range(50):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 
 
+class ActorDied(RuntimeError):
+    """A Ray actor's process died more often than Ray restarts it (killed for memory, most often)."""
+
+
 class NodeProblem(RuntimeError):
     """What keeps a Ray worker from working on its node (a folder it does not see, a GPU its torch cannot
     use): raised by the worker's task, and by the driver as this one line instead of Ray's traceback."""

@@ -15,7 +15,7 @@ from common.config import ConfigError, add_manifest_argument, add_set_argument, 
 from common.io import DamagedFile, DiskFull, FolderLocked
 from common.sources import CorpusError
 from common.storage import location
-from common.parallel import NodeProblem, default_workers
+from common.parallel import ActorDied, NodeProblem, default_workers
 from generate.generator import OutputConflict, generate
 
 
@@ -50,6 +50,9 @@ def main(argv=None) -> int:
             DamagedFile, DiskFull, NodeProblem, PermissionError) as e:  # PermissionError: names the path
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ActorDied as e:  # not the user's input: exit 1, as a crash, in one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

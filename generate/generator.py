@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, check_sizes, local_aux, read_aux_meta
-from common.config import RESOLVED_FILE, RunConfig, config_to_dict, save_resolved
+from common.config import RESOLVED_FILE, ConfigError, RunConfig, config_to_dict, save_resolved
 from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
 from common.io import (DamagedFile, FolderLock, atomic_write_json, file_stamp, read_json, remove_stale_tmp,
                        sha256_file)
@@ -67,6 +67,9 @@ def replace_shards(out_dir) -> None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputConflict(f"{out_dir} holds {shown}, which no generation writes: not replaced, even with --force; "
                              f"use another --out")
+    if not is_remote(out_dir):  # the files naming it a folder of shards go last: a kill leaves one still named so
+        for entry in sorted(out_dir.iterdir(), key=lambda e: e.name in (PLAN_FILE, MANIFEST_FILE, PROGRESS_FILE)):
+            rmtree(entry) if entry.is_dir() else entry.unlink()
     rmtree(out_dir)
 
 
@@ -90,6 +93,15 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     if sha256_file(aux_path) != aux["sha256"]:
         raise IncompatibleInputs(f"auxiliary model {aux_path} does not match the sha256 in its aux.json")
     plan = stream_plan(corpus["train"]["rows"], config)
+    needed = config.train.max_steps * config.train.batch_size
+    if plan.total_rows < needed and not config.train.allow_short_stream:  # train.trainer's own refusal, before
+        clamped = (f" (rows_per_epoch {config.generate.rows_per_epoch:,} is more than the corpus's "  # the shards
+                   f"{corpus['train']['rows']:,} training rows)" if plan.rows_per_epoch < config.generate.rows_per_epoch
+                   else "")
+        raise ConfigError(f"generate.epochs {plan.epochs} x {plan.rows_per_epoch:,} rows{clamped} is {plan.total_rows:,} "
+                          f"training rows; this manifest's trainer (train.max_steps {config.train.max_steps} x "
+                          f"batch_size {config.train.batch_size}) needs {needed:,} and would refuse them. Set "
+                          f"generate.epochs = 0 (as many as the budget needs) or train.allow_short_stream = true")
     key = generation_key(config.seed, config.generate, corpus, aux["sha256"], plan.total_rows)
     plan_path = out_dir / PLAN_FILE
     if out_dir.exists() and not out_dir.is_dir():
@@ -102,15 +114,17 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
                 raise OutputConflict(f"{e}: the generation of {out_dir} is unknown; use --force to generate it "
                                      f"anew, or another --out") from None
             existing = {}
-        if existing.get("generation_key") != key:
+        theirs = existing.get("generation_key") if isinstance(existing, dict) else None
+        if theirs != key:
             if not force:
                 raise OutputConflict(f"{out_dir} holds shards of a different generation (key "
-                                     f"{existing.get('generation_key', '?')[:12]}, this run {key[:12]}); "
+                                     f"{str(theirs or '?')[:12]}, this run {key[:12]}); "
                                      f"use another --out or --force to replace them")
             replace_shards(out_dir)
     elif out_dir.exists() and any(out_dir.iterdir()):
-        # --force replaces shard folders only: a mistyped --out (a corpus, a home folder) is never deleted
-        shards = any((out_dir / name).is_file() for name in (MANIFEST_FILE, PROGRESS_FILE))
+        # --force replaces shard folders only: a mistyped --out (a corpus, a home folder) is never deleted. A
+        # folder holding only what a generation writes is one too: what a replacement killed halfway left
+        shards = any((out_dir / name).is_file() for name in (MANIFEST_FILE, PROGRESS_FILE)) or not foreign_entries(out_dir)
         if not shards:
             raise OutputConflict(f"{out_dir} is not empty and holds no {PLAN_FILE}: not a folder of shards; use "
                                  f"another --out (--force replaces only a folder of shards)")
@@ -158,9 +172,10 @@ def verified(record: dict | None, out_dir, stamps: dict | None = None, listed: d
 def read_stamps(out_dir: Path) -> dict:
     path = out_dir / VERIFIED_FILE
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}  # a torn record: everything is hashed again
+        stamps = json.loads(path.read_text()) if path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}  # a torn or damaged record: everything is hashed again
+    return stamps if isinstance(stamps, dict) else {}
 
 
 def summarize_epochs(records: list[dict], tasks, curriculum: dict | None = None) -> tuple[list[dict], dict]:
@@ -227,6 +242,9 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     # inputs on object storage are read from a copy on this machine (each actor makes its own)
     checked = check_inputs(config, local_corpus(corpus_dir), local_aux(aux_path), out_dir, force)
     corpus, plan = checked["corpus"], checked["plan"]
+    if plan.rows_per_epoch < config.generate.rows_per_epoch:
+        log(f"generate: note: generate.rows_per_epoch {config.generate.rows_per_epoch:,} is more than the corpus's "
+            f"{corpus['train']['rows']:,} training rows: an epoch is all of them")
     tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed, plan.total_rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not is_remote(out_dir):
@@ -254,16 +272,17 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     for path in sorted(set(known) & {t.path for t in tasks} - set(done)):
         log(f"generate: {out_dir / path} is missing or damaged (size or sha256 differ from its record); redoing it")
     todo = [t for t in tasks if t.path not in done]
-    if manifest_path.is_file() and not todo:
+    mixed = len({r["device"] for r in done.values() if "device" in r}) > 1  # a --force switch killed halfway
+    if manifest_path.is_file() and not todo and not mixed:
         try:
             manifest = read_json(manifest_path, ("epochs", "valid"))
         except DamagedFile as e:  # the shards' records hold all it says
             log(f"generate: {e}; writing it again from the shards' records")
         else:
-            how = "every shard hashed" if verify else f"sizes and times as when last hashed; --verify hashes every shard"
+            how = "every shard hashed" if verify else "sizes and times as when last hashed; --verify hashes every shard"
             log(f"generate: {out_dir} is complete and verified ({len(tasks)} shards; {how})")
             return manifest
-    if todo:
+    if todo or mixed:
         # Shards of one folder come from one kind of device: the aux model runs in bf16 autocast on GPU and
         # fp32 on CPU, so finishing a GPU folder on CPU (or the reverse) would make rows depend on where each
         # shard ran (docs/design.md, determinism). Refused; --force redoes the other kind's shards here.
@@ -309,6 +328,7 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
         "valid": valid,
         "devices": sorted({r.get("device", "?") for r in all_records}),
         "device_models": sorted({r["device_model"] for r in all_records if "device_model" in r}),
+        "libraries": sorted({r["libraries"] for r in all_records if "libraries" in r}),
         "seconds": seconds,
     }
     atomic_write_json(manifest_path, manifest)
@@ -316,6 +336,10 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
         log(f"generate: note: {out_dir}'s shards were made on {len(manifest['device_models'])} device models "
             f"({'; '.join(manifest['device_models'])}): their kernels may round differently, so a shard's rows "
             f"are those of its model's run, not of a one-model run (docs/design.md, determinism)")
+    if len(manifest["libraries"]) > 1:  # a resume after an upgrade, or nodes of a cluster installed apart
+        log(f"generate: note: {out_dir}'s shards were made with {len(manifest['libraries'])} sets of library "
+            f"versions ({'; '.join(manifest['libraries'])}): a shard's bytes are those of its versions' run, not of "
+            f"a run on one (docs/design.md, determinism)")
     tokens = sum(r["tokens"] for r in records)
     t_all = [e["temperature_min"] for e in epochs] + [e["temperature_max"] for e in epochs]
     top1 = f", aux top-1 {epochs[0]['aux_top1']:.3f}" if config.generate.distribution == "aux" else ""

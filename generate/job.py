@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -23,13 +24,14 @@ from tqdm import tqdm
 from common.config import ConfigError, GenerateConfig
 from common.io import DiskFull, append_record, file_stamp, read_records
 from common.corpus import CORPUS_META
-from common.parallel import NodeProblem, start_ray as common_start_ray
+from common.parallel import ActorDied, NodeProblem, start_ray as common_start_ray
 from common.plan import ShardTask
 from common.shards import PLAN_FILE, PROGRESS_FILE
 from common.storage import location
 # Fault injection for tests (real process deaths, not mocks):
 FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # path of a marker file; the first task's process dies
 SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard, to kill a run halfway
+FAIL_ALWAYS_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ALWAYS"  # set: every task's process dies (past Ray's restarts)
 MEMORY_ENV = "FAST_ELECTRA_MEMORY_BYTES"  # bytes free on every machine and GPU, in place of what they say (tests)
 
 
@@ -60,6 +62,7 @@ class ShardActor:
         rows = {split: SplitRows(corpus_dir, split) for split in ("train", "valid")}  # read by position
         self.writer = ShardWriter(rows, corruptor, out_dir, cfg.zstd_level, cfg.rows_per_row_group)
         self.device, self.device_model = device, device_model(device)
+        self.libraries = libraries()
         self.device_lock = threading.Lock()  # with 2 tasks in flight: one shard on the model at a time
 
     def ready(self) -> None:
@@ -89,12 +92,39 @@ class ShardActor:
             raise NodeProblem(self.problem)
         time.sleep(float(os.environ.get(SLOW_ENV, "0")))
         marker = os.environ.get(FAIL_ONCE_ENV)
-        if marker and not os.path.exists(marker):
-            Path(marker).write_text(f"killed pid {os.getpid()} on {task.path}\n")
+        if os.environ.get(FAIL_ALWAYS_ENV) or marker and not os.path.exists(marker):
+            if marker:
+                Path(marker).write_text(f"killed pid {os.getpid()} on {task.path}\n")
             os._exit(1)  # a real process death mid-task, not an exception
         record = self.writer(task, self.device_lock)
         stamp = file_stamp(self.writer.out_dir / task.path)  # in place now: a restart trusts it as it is
-        return {**record, "device": self.device, "device_model": self.device_model, "stamp": stamp}
+        return {**record, "device": self.device, "device_model": self.device_model, "libraries": self.libraries,
+                "stamp": stamp}
+
+
+def task_error(error: "ray.exceptions.RayTaskError", task: ShardTask) -> Exception:
+    """What the driver raises for a shard task that failed in its actor: a user's problem (a full disk, a node
+    that cannot work, damaged corpus rows) as its one line naming the shard; anything else, a fault of ours, as
+    Ray's error with its traceback, after a line naming the shard."""
+    from common.sources import CorpusError
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, (DiskFull, NodeProblem, CorpusError)):
+        # the other actors' copies of it, never fetched, are not printed by Ray after that line
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
+        if isinstance(cause, DiskFull):
+            return DiskFull(cause.errno, str(cause))  # names the file it was writing
+        return NodeProblem(str(cause)) if isinstance(cause, NodeProblem) else CorpusError(f"{cause} (read for shard "
+                                                                                         f"{task.path})")
+    print(f"generate: shard {task.path} failed in its actor; Ray's traceback follows", file=sys.stderr, flush=True)
+    return error
+
+
+def libraries() -> str:
+    """The versions a shard's bytes depend on beside its device: torch's kernels round, numpy draws the masks,
+    pyarrow encodes (its version is in every file's footer)."""
+    import numpy
+    import pyarrow
+    return f"torch {torch.__version__}, numpy {numpy.__version__}, pyarrow {pyarrow.__version__}"
 
 
 def device_model(device: str) -> str:
@@ -133,7 +163,7 @@ def append_progress(out_dir, record: dict) -> None:
 
 
 def start_ray(address: str | None, workers: int) -> None:
-    common_start_ray(address, workers, (FAIL_ONCE_ENV, SLOW_ENV))
+    common_start_ray(address, workers, (FAIL_ONCE_ENV, FAIL_ALWAYS_ENV, SLOW_ENV))
 
 
 def actor_device(address: str | None, workers: int) -> str:
@@ -262,19 +292,19 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
             while queue and idle:
                 actor = idle.popleft()
                 task = queue.popleft()
-                pending[actor.run.remote(task)] = actor
+                pending[actor.run.remote(task)] = actor, task
             done, _ = ray.wait(list(pending), num_returns=1)
-            actor = pending.pop(done[0])
+            actor, task = pending.pop(done[0])
             try:
                 record = ray.get(done[0])
-            except ray.exceptions.RayTaskError as e:  # a full disk under an actor: its one line, not Ray's trace
-                cause = getattr(e, "cause", None)
-                if isinstance(cause, (DiskFull, NodeProblem)):
-                    # the other actors' copies of it, never fetched, are not printed by Ray after that line
-                    os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
-                    raise (DiskFull(cause.errno, str(cause)) if isinstance(cause, DiskFull) else
-                           NodeProblem(str(cause))) from None
-                raise
+            except ray.exceptions.RayTaskError as e:
+                raise task_error(e, task) from None
+            except ray.exceptions.RayActorError as e:  # its process died, restarts and retries spent
+                os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
+                raise ActorDied(f"the generation actor working on {task.path} died {options['max_restarts'] + 1} "
+                                f"times ({str(e).strip().splitlines()[0][:200]}); killed for memory? The node's "
+                                f"`dmesg` and Ray's logs (/tmp/ray/session_latest/logs) say. A rerun resumes from "
+                                f"the shards done") from None
             append_progress(out_dir, record)
             records.append(record)
             idle.append(actor)

@@ -94,6 +94,17 @@ def test_force_never_deletes_a_folder_that_holds_no_shards(built, tmp_path):
         check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=False)
     check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=True)
     assert not shards.exists()
+    # what a --force replacement killed halfway leaves (its plan, progress and manifest deleted, shards not yet):
+    # still a folder of shards; and a plan.json whose key is not a string is another generation's
+    for files in (["epoch-001/shard-00000.parquet", "valid/shard-00000.parquet", "verified.json",
+                   "resolved_manifest.toml"], ["epoch-000/shard-00003.parquet", PLAN_FILE]):
+        for name in files:
+            (shards / name).parent.mkdir(parents=True, exist_ok=True)
+            (shards / name).write_text('{"generation_key": null}' if name == PLAN_FILE else "x")
+        with pytest.raises(OutputConflict, match="--force to replace them"):
+            check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=False)
+        check_inputs(built, built.corpus_dir, built.aux_dir / AUX_FILE, shards, force=True)
+        assert not shards.exists()
     # a user's folder that happens to hold a plan.json or a manifest.json of its own is no folder of shards
     for name, content in ((PLAN_FILE, '{"milestones": []}'), (PLAN_FILE, "not json"), (MANIFEST_FILE, '{"name": "app"}')):
         mine = tmp_path / "mine"
@@ -289,3 +300,79 @@ def test_upload_temporaries_of_dead_writers_are_removed_and_a_live_writers_kept(
         path.write_bytes(b"x" * 1024)
     remove_dead_uploads(tmp_path)
     assert not dead.exists() and live.exists() and elsewhere.exists()
+
+
+def _damaged_corpus(built, tmp_path, kind: str):
+    """A copy of the corpus with one value of train part 0's flat `kind` file (tokens, offsets) overwritten in
+    place, the file's size kept (the size check passes: the damage is in the values)."""
+    import numpy as np
+    corpus = shutil.copytree(built.corpus_dir, tmp_path / "corpus")
+    path = corpus / load_corpus_meta(corpus)["train"]["parts"][0]["flat"][kind]["path"]
+    values = np.load(path, mmap_mode="r+")
+    if kind == "offsets":
+        values[3] = 10**12  # row 2 ends, row 3 starts, past any file
+    else:
+        values[values.size // 2] = 99_999  # past a 320-entry vocabulary
+    values.flush()
+    return corpus, path
+
+
+@pytest.mark.parametrize("kind,message", [("offsets", "is damaged: row 2 of it spans tokens"),
+                                          ("tokens", "is damaged: row .* holds token id 99999, outside the vocabulary")])
+def test_a_corpus_row_of_damaged_values_is_an_error_naming_its_file(built, tmp_path, kind, message):
+    """Offsets past the file (was: numpy allocating terabytes) and ids past the vocabulary (was: an index
+    error in the embedding; on a GPU a device-side assert) name the part's file."""
+    from common.corpus import SplitRows
+    from common.sources import CorpusError
+    corpus, path = _damaged_corpus(built, tmp_path, kind)
+    rows = SplitRows(corpus, "train")
+    with pytest.raises(CorpusError, match=f"^{path} {message}.*rebuild the corpus"):
+        for i in range(len(rows)):
+            rows[i]
+
+
+@pytest.mark.slow  # Ray
+def test_damaged_corpus_rows_read_in_a_generation_actor_stop_the_run_with_one_line(built, tmp_path, env_with_repo):
+    import subprocess
+    import sys
+    from common.config import dump_toml
+    from tests.conftest import ROOT
+    corpus, path = _damaged_corpus(built, tmp_path, "tokens")
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(built))
+    result = subprocess.run([sys.executable, "-m", "generate", "--manifest", str(manifest), "--corpus", str(corpus),
+                             "--aux", str(built.aux_dir / AUX_FILE), "--out", str(tmp_path / "epochs"), "--workers",
+                             "1"], cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{path} is damaged" in errors[0] and "(read for shard epoch-" in errors[0], errors
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_stream_shorter_than_the_trainers_budget_is_refused_before_generation(built, tmp_path):
+    """What the trainer of the same manifest would refuse (train.max_steps x batch_size rows), refused before
+    the shards are paid for; allowed with train.allow_short_stream."""
+    import dataclasses
+    from common.config import ConfigError
+    from generate.generator import check_inputs
+    rows = load_corpus_meta(built.corpus_dir)["train"]["rows"]
+    short = dataclasses.replace(built, generate=dataclasses.replace(built.generate, epochs=1, rows_per_epoch=10 * rows),
+                                train=dataclasses.replace(built.train, max_steps=rows, batch_size=8))
+    with pytest.raises(ConfigError, match=rf"generate.epochs 1 x {rows:,} rows \(rows_per_epoch {10 * rows:,} is more "
+                                          rf"than the corpus's {rows:,} training rows\) is {rows:,} training rows; "
+                                          rf"this manifest's trainer .* needs {8 * rows:,}"):
+        check_inputs(short, built.corpus_dir, built.aux_dir / AUX_FILE, tmp_path / "epochs", force=False)
+    allowed = dataclasses.replace(short, train=dataclasses.replace(short.train, allow_short_stream=True))
+    assert check_inputs(allowed, built.corpus_dir, built.aux_dir / AUX_FILE, tmp_path / "epochs", False)["plan"]
+
+
+def test_a_file_in_the_place_of_an_output_folder_or_a_damaged_stamp_file(tmp_path):
+    from common.io import FolderLock, FolderLocked
+    from generate.generator import VERIFIED_FILE, read_stamps
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FolderLocked, match=f"^cannot write {tmp_path / 'afile' / 'epochs'}: {tmp_path / 'afile'} is "
+                                           "a file, not a folder$"):
+        FolderLock(tmp_path / "afile" / "epochs", "python -m generate").acquire()
+    for content in (b"\xff\xfe not utf-8", b"[1, 2]", b'{"epoch-000/shard-00000.parquet": ["ab", 1, 2'):
+        (tmp_path / VERIFIED_FILE).write_bytes(content)
+        assert read_stamps(tmp_path) == {}  # every shard is hashed again

@@ -17,7 +17,7 @@ import pytest
 
 from common.config import config_from_dict, config_to_dict, dump_toml
 from common.io import sha256_file
-from generate.job import FAIL_ONCE_ENV, SLOW_ENV
+from generate.job import FAIL_ALWAYS_ENV, FAIL_ONCE_ENV, SLOW_ENV
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -181,3 +181,42 @@ def test_shards_of_another_device_are_not_mixed_in(reference, tmp_path):
     assert f"0 already done, {len(expected)} to run" in result.stdout
     assert _hashes(out) == expected
     assert json.loads((out / "manifest.json").read_text())["devices"] == [here]
+
+
+def test_a_folder_of_two_device_kinds_with_no_shard_left_is_refused_not_finished(reference, tmp_path):
+    """A --force switch to another device kind killed after its last shard but before its manifest: every shard
+    is there and verified, yet they come from two kinds: refused (it was given a manifest of both); --force
+    redoes the other kind's."""
+    manifest, folder, expected = reference
+    out = tmp_path / "mixed"
+    shutil.copytree(folder / "one_worker", out)
+    (out / "manifest.json").unlink()
+    progress = out / "progress.jsonl"
+    records = [json.loads(line) for line in progress.read_text().splitlines()]
+    (here,) = {r["device"] for r in records}
+    other = "cpu" if here == "cuda" else "cuda"
+    progress.write_text("".join(json.dumps({**r, "device": other if i == 1 else here}) + "\n"
+                                for i, r in enumerate(records)))
+    result = subprocess.run(_cmd(manifest, out, 1), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and f"made on {other}" in result.stderr, result.stderr[-3000:]
+    assert not (out / "manifest.json").exists()
+    result = subprocess.run(_cmd(manifest, out, 1) + ["--force"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{len(expected) - 1} already done, 1 to run" in result.stdout
+    assert _hashes(out) == expected and json.loads((out / "manifest.json").read_text())["devices"] == [here]
+    from generate.job import libraries
+    assert json.loads((out / "manifest.json").read_text())["libraries"] == [libraries()]  # torch, numpy, pyarrow
+
+
+def test_an_actor_dying_past_rays_restarts_stops_the_run_with_one_line_naming_its_shard(reference, tmp_path):
+    """Killed for memory at every shard, say: Ray restarts it 3 times, then the run ends with one line (exit 1,
+    not a user's error), not Ray's ActorDiedError traceback."""
+    manifest, _, _ = reference
+    result = subprocess.run(_cmd(manifest, tmp_path / "epochs", 1), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, FAIL_ALWAYS_ENV: "1"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the generation actor working on valid/shard-00000.parquet died 4 times" in errors[0] \
+        and "killed for memory?" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
