@@ -67,7 +67,9 @@ def test_a_trainer_started_during_the_second_epoch_ends_with_the_losses_of_the_f
         second = {p for p, _ in plan["shards"]["epochs"][1]}
         _wait_for(lambda: any(r["path"] in second for r in _records(data)), "a shard of the second epoch")
         assert not (data / "manifest.json").exists()
-        trainer = _trainer(manifest, data, tmp_path / "run", env_with_repo, "--follow", "--follow-timeout", "60")
+        # verify_shards: each arriving shard hashed too (train.data.hashed_by), the losses unchanged
+        trainer = _trainer(manifest, data, tmp_path / "run", env_with_repo, "--follow", "--follow-timeout", "60",
+                           "--set", "train.verify_shards=true")
         out, _ = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, out[-3000:]
     finally:
@@ -170,3 +172,34 @@ def test_a_micro_batch_too_large_is_refused_before_the_trainer_waits_for_a_gener
     out = trainer.communicate(timeout=240)[0]
     assert trainer.returncode == 2 and "by the pre-flight estimate" in out, out[-3000:]
     assert "waiting for the generator" not in out
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_finished_folders_read_is_slow_stops_after_the_update_with_a_checkpoint(
+        generated, tmp_path, monkeypatch):
+    """Only a wait for a generator's shards (--follow) is given up on a SIGTERM; a slow read of a finished folder
+    (object storage, a busy network file system) is waited for, and the run stops after that update with its
+    checkpoint, as at any other step (it stopped without one, losing up to ckpt_every updates)."""
+    import argparse
+    import threading
+    import torch
+    from train import data as train_data, trainer
+    manifest, data, _ = generated
+    real = train_data.ShardStream.rows
+
+    def slow(self, start, stop):  # longer than the wait's poll (1 s): the signal comes while it waits
+        time.sleep(2.5)
+        return real(self, start, stop)
+    monkeypatch.setattr(train_data.ShardStream, "rows", slow)
+    torch.set_num_threads(1)
+
+    def after(step):  # the signal comes while the next step's rows are being read
+        if step == 2:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    run = tmp_path / "run"
+    args = argparse.Namespace(manifest=str(manifest), data=str(data), out=str(run), resume=False,
+                              sets=["train.max_steps=6", "train.ckpt_every=1000", "train.log_every=1"])
+    with pytest.raises(trainer.Stopped):
+        trainer.train(args, after_step=after)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000003.pt"]
+    assert _losses(run)[-1][0] == 3

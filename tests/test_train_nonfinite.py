@@ -85,8 +85,8 @@ def test_k_nonfinite_losses_in_a_row_stop_the_run_naming_step_rows_and_checkpoin
     with pytest.raises(FloatingPointError) as error:
         trainer.train(args)
     message = str(error.value)
-    assert "3 non-finite losses in a row, last at step 6" in message
-    assert "stream rows 48..55" in message  # batch 8: step 6 reads rows 48..55
+    assert "3 non-finite losses in a row, last at step 7" in message  # update 6 (0-based): metrics.jsonl's step 7
+    assert "stream rows 48..55" in message  # batch 8: update 6 reads rows 48..55
     assert message.endswith("step-00000004.pt")  # the last good checkpoint, written after step 4
     assert drawn == [4, 6]  # curves drawn at the evaluation after step 4, and at the stop with all 6 logged steps
 
@@ -95,11 +95,12 @@ def test_with_sparse_logging_k_nonfinite_losses_in_a_row_stop_the_run_at_most_k_
                                                                                                 monkeypatch):
     """The trainer reads the skipped flags from the device at log, evaluation and checkpoint steps, and after
     `max_nonfinite_steps` unread updates: with nothing logged for 100 steps, poisoned from update 2 on, the
-    flags of updates 0-2 are read after update 2, those of 3-5 after update 5, and the stop names update 4."""
+    flags of updates 0-2 are read after update 2, those of 3-5 after update 5, and the stop names update 4
+    (0-based: step 5, as metrics.jsonl counts)."""
     args, _ = _run(generated, tmp_path, monkeypatch, lambda s: s >= 2, max_nonfinite_steps=3, max_steps=100,
                    log_every=100, eval_every=100, ckpt_every=100)
     after = []
-    with pytest.raises(FloatingPointError, match=r"3 non-finite losses in a row, last at step 4 \(stream rows 32\.\.39\)"):
+    with pytest.raises(FloatingPointError, match=r"3 non-finite losses in a row, last at step 5 \(stream rows 32\.\.39\)"):
         trainer.train(args, after_step=after.append)
     assert after == [1, 2, 3, 4, 5]  # update 5 (0-based) ran before the read that stopped the run after it
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

@@ -183,16 +183,19 @@ def test_existing_run_without_resume_is_refused(generated, tmp_path, env_with_re
 def test_tensorboard_events_hold_the_metrics_and_a_resumed_run_logs_each_step_once(generated, tmp_path,
                                                                                    env_with_repo):
     """`[train] tensorboard = true`: the scalars of metrics.jsonl as TensorBoard events, read back with
-    tensorboard's own reader. A run killed (SIGKILL) after step 6, its checkpoint at step 4, and resumed to
-    step 8: every step once in the events, with metrics.jsonl's values."""
+    tensorboard's own reader. A run killed (SIGKILL) after step 3, before its first checkpoint, started again
+    from step 0 (was: the killed attempt's points kept beside the new ones), killed after step 6, its checkpoint
+    at step 4, and resumed to step 8: every step once in the events, with metrics.jsonl's values."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     manifest, data, _ = generated
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data), "--out", str(run),
            "--set", "train.tensorboard=true", "--set", "train.log_every=1", "--set", "train.ckpt_every=4",
            "--set", "train.eval_every=4", "--set", "train.max_steps=8"]
-    killed = subprocess.run(cmd, cwd=ROOT, env={**env_with_repo, KILL_AT_STEP_ENV: "6"}, capture_output=True, timeout=300)
-    assert killed.returncode == -signal.SIGKILL
+    for step, resume in (("3", []), ("6", ["--resume"])):
+        killed = subprocess.run(cmd + resume, cwd=ROOT, env={**env_with_repo, KILL_AT_STEP_ENV: step},
+                                capture_output=True, timeout=300)
+        assert killed.returncode == -signal.SIGKILL
     result = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env_with_repo, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]

@@ -56,8 +56,29 @@ def test_resume_ignores_settings_that_do_not_change_the_updates(tmp_path):
     config.train.tensorboard = True
     config.aux.eval_every, config.aux.log_every, config.aux.ckpt_every = 5, 2, 11  # the aux run's own intervals
     config.generate.actors_per_gpu, config.generate.tasks_in_flight = 4, 3  # the generator's scheduling only
+    config.generate.gamma_max, config.generate.soh_alpha = 0.3, 0.2  # not read by temperature scaling
+    config.train.micro_batch = 4  # what the memory check asks of a run resumed on smaller GPUs
     config.work_dir = str(tmp_path / "elsewhere")
     assert _restore(tmp_path, config)[0] is not None
+
+
+def test_a_resume_on_another_number_of_ranks_draws_dropout_anew_not_step_0s_masks_again(tmp_path):
+    """The saved streams are one per rank: with another world size none is restored, and each rank's stream is
+    seeded from the seed, its rank and the step, not set back to the stream the run started with."""
+    config, _ = _saved_run(tmp_path)
+    path = tmp_path / "ckpt" / "step-00000001.pt"
+    saved = torch.load(path, weights_only=False)
+    saved["world_size"] = 2  # saved by two ranks; resumed by one
+    torch.save(saved, path)
+    draws = []
+    for _ in range(2):
+        model, optimizer, scheduler = _parts(config)
+        torch.manual_seed(config.train.seed + 1000)  # what the trainer sets before it restores, rank 0
+        assert state.restore(tmp_path / "ckpt", model, optimizer, scheduler, config, "data-key", "DATA", 0, 1,
+                             torch.device("cpu"))
+        draws.append(torch.rand(8))
+    torch.manual_seed(config.train.seed + 1000)
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], torch.rand(8))
 
 
 def test_the_aux_models_run_resumes_whatever_generate_and_the_rtd_weight_say(tmp_path):
@@ -204,3 +225,22 @@ def test_a_second_ctrl_c_stops_at_once():
     with pytest.raises(Stopped) as stopped:
         stop._ask(signal.SIGINT, None)
     assert stopped.value.signum == signal.SIGINT
+
+
+def test_every_shard_a_followed_run_reads_is_hashed_by_one_rank_that_reads_it():
+    """train.verify_shards with --follow: each shard is hashed as it arrives by one of the ranks whose slices of
+    the batches hold its rows (was: rank k % W only if it happened to read it: with shards smaller than a rank's
+    share, 20 of 34 shards hashed at 2 ranks, batch 160, 40-row shards)."""
+    import random
+    from train.data import hashed_by, rank_slice
+    rng = random.Random(0)
+    for _ in range(300):
+        world = rng.choice([1, 2, 4, 8])
+        batch = world * rng.randint(1, 40)
+        rows_per_shard = rng.randint(1, 3 * batch)
+        for k in range(12):
+            start = k * rows_per_shard
+            readers = {r for step in range(start // batch, (start + rows_per_shard - 1) // batch + 1)
+                       for r in range(world) if max(start, rank_slice(step, batch, r, world)[0]) <
+                       min(start + rows_per_shard, rank_slice(step, batch, r, world)[1])}
+            assert hashed_by(start, rows_per_shard, k, world, batch) in readers, (world, batch, rows_per_shard, k)

@@ -347,8 +347,9 @@ class ShardStream:
         self._cache: OrderedDict[tuple, dict] = OrderedDict()
         self.bytes_read, self.bytes_decompressed = 0, 0
         self.bytes_fetched = 0  # object storage: bytes of the ranged GETs made (CountedReads)
-        # train.verify_shards on a followed generation: (rank, world); each rank hashes its share as it arrives
-        self.verify_arrivals: tuple[int, int] | None = None
+        # train.verify_shards on a followed generation: (rank, world, batch size); of the ranks that read a shard,
+        # one hashes it as it arrives (`hashed_by`)
+        self.verify_arrivals: tuple[int, int, int] | None = None
 
     def _count(self, n: int) -> None:
         self.bytes_fetched += n
@@ -361,8 +362,8 @@ class ShardStream:
         got = shard.path.stat().st_size if shard.path.is_file() else None
         if got != shard.bytes:
             raise DataError(f"{shard.path} has {got} bytes, its record in the generator's log says {shard.bytes}")
-        if self.verify_arrivals and k % self.verify_arrivals[1] == self.verify_arrivals[0] and \
-                (digest := sha256_file(shard.path)) != shard.sha256:
+        if self.verify_arrivals and hashed_by(shard.start, shard.rows, k, *self.verify_arrivals[1:]) == \
+                self.verify_arrivals[0] and (digest := sha256_file(shard.path)) != shard.sha256:
             raise DataError(f"{shard.path} has sha256 {digest[:12]}, its record says {shard.sha256[:12]}")
 
     def verify(self, rank: int = 0, world: int = 1, threads: int = 4) -> list[str]:
@@ -462,6 +463,21 @@ def to_tensors(rows: dict) -> dict:
     ids = pad_rows(rows["input_ids"], dtype=torch.int32)
     return {"input_ids": ids, "labels": pad_rows(rows["labels"], 0, torch.uint8),
             "attention_mask": attention_mask(lengths, ids.shape[1]), "padded": min(lengths) < ids.shape[1]}
+
+
+def hashed_by(start: int, rows: int, k: int, world: int, batch_size: int) -> int:
+    """The rank that hashes shard `k` (stream rows [start, start + rows)) as it arrives, among the ranks that read
+    it (`rank_slice`): every shard read is hashed once, whether a rank's share of a batch spans many shards or a
+    shard many batches. Every rank computes the same."""
+    per_rank = batch_size // world
+    first, last = start % batch_size, (start + rows - 1) % batch_size  # positions in the global batch
+    if rows >= batch_size:
+        readers = list(range(world))
+    elif first <= last:
+        readers = list(range(first // per_rank, last // per_rank + 1))
+    else:  # the shard crosses into the next step's batch
+        readers = sorted(set(range(first // per_rank, world)) | set(range(0, last // per_rank + 1)))
+    return readers[k % len(readers)]
 
 
 def rank_slice(step: int, batch_size: int, rank: int, world: int) -> tuple[int, int]:

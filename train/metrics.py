@@ -54,7 +54,7 @@ class TensorBoardLog:
         except ImportError as e:
             raise ImportError(f"train.tensorboard = true needs the tensorboard package: pip install -e "
                               f"'.[tensorboard]' ({e})") from None
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else 0)
 
     def write(self, record: dict) -> None:
         for key, value in record.items():

@@ -70,6 +70,8 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
                                  f"{state['data_manifest_sha256'][:12]}, {data_desc} has {manifest_hash[:12]}")
     saved = trajectory_config(config_to_dict(config_from_dict(state["config"])))  # newer keys' defaults filled in
     current = trajectory_config(config_to_dict(config))
+    for trajectory in (saved, current):  # the same update up to rounding, as another number of ranks: what the
+        trajectory["train"].pop("micro_batch", None)  # memory check asks of a run resumed on smaller GPUs
     if saved != current:
         raise IncompatibleInputs(f"checkpoint {path} was made with another config ({', '.join(changed_keys(saved, current))} "
                                  f"changed); use a new --out")
@@ -89,4 +91,6 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
         torch.set_rng_state(cpu_state)
         if cuda_state is not None and device.type == "cuda":
             torch.cuda.set_rng_state(cuda_state, device)
+    else:  # no saved stream for this rank: a new one of (seed, rank, step), not step 0's masks over again
+        torch.manual_seed(config.train.seed + 1000 + rank + 1_000_003 * state["step"])
     return path, Progress(state["step"], state["history"], state["nonfinite_total"], state["nonfinite_run"])

@@ -244,8 +244,8 @@ def count_skipped(progress, stepped: list[bool], step: int, max_in_a_row: int) -
 def nonfinite_error(progress, step: int, batch_size: int, ckpt_dir: Path) -> FloatingPointError:
     # the newest file by name, not loaded (a base checkpoint is 2 GiB, on every rank): every checkpoint is
     # written from finite weights, and --resume skips a damaged one with a note
-    last = list_checkpoints(ckpt_dir)
-    return FloatingPointError(f"{progress.nonfinite_run} non-finite losses in a row, last at step {step} "
+    last = list_checkpoints(ckpt_dir)  # `step`: the update's 0-based index; said as metrics.jsonl counts it
+    return FloatingPointError(f"{progress.nonfinite_run} non-finite losses in a row, last at step {step + 1} "
                               f"(stream rows {step * batch_size}..{(step + 1) * batch_size - 1}); "
                               f"last good checkpoint: {last[-1] if last else 'none'}")
 
@@ -295,7 +295,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     # runs (fast-offline); without it every page read is checked against its CRC32 as it is read.
     following = getattr(stream, "follower", None) is not None  # shards checked as they arrive instead
     if following:
-        stream.verify_arrivals = (rank, world) if tc.verify_shards else None
+        stream.verify_arrivals = (rank, world, tc.batch_size) if tc.verify_shards else None
     checking = ThreadPoolExecutor(max_workers=1).submit(stream.verify, rank, world) \
         if tc.verify_shards and hasattr(stream, "verify") and not following else None
     needed = tc.max_steps * tc.batch_size
@@ -386,7 +386,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     while progress.step < total_steps and not (deadline_hit or stopped):
         step = progress.step
         try:  # damage found in what this rank reads stops the run here, before the update
-            rows = stop.wait_for(next_rows, f"the shards of step {step + 1}", ckpt_dir, is_main)
+            rows = stop.wait_for(next_rows, f"the shards of step {step + 1}", ckpt_dir, is_main, following)
         except (DataError, Stopped):
             bar.close()  # the error goes on a line of its own
             reader.shutdown(wait=False, cancel_futures=True)
@@ -541,16 +541,18 @@ class StopRequest:
             print("\ntrain: Ctrl-C: stopping after the update in flight, with a checkpoint (Ctrl-C again stops at "
                   "once, without one)", file=sys.stderr, flush=True)
 
-    def wait_for(self, future, what: str, ckpt_dir: Path, say: bool):
-        """`future`'s result; a SIGTERM while it is not there (a step waiting for the generator's shards)
-        stops the trainer without a checkpoint (the ranks are not at one update), the newest one said."""
+    def wait_for(self, future, what: str, ckpt_dir: Path, say: bool, following: bool = True):
+        """`future`'s result. `following` (a step waiting for the generator's shards, for as long as the generator
+        takes): a SIGTERM while it is not there stops the trainer without a checkpoint (the ranks are not at one
+        update), the newest one said. Otherwise (a slow read: a network file system, object storage, online
+        corruption) the read is waited for, and the stop comes after the update, with a checkpoint."""
         while True:
             try:
                 return future.result(timeout=1.0)
             except TimeoutError:
                 if future.done():  # the read's own TimeoutError (a network file system, object storage)
                     raise
-                if self.signal is not None:
+                if self.signal is not None and following:
                     if say:
                         newest = list_checkpoints(ckpt_dir)
                         print(f"train: stopped by {self.name} while waiting for {what}; the newest checkpoint "
