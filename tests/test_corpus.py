@@ -702,8 +702,8 @@ def test_a_split_of_more_parts_than_its_file_limit_keeps_open_reads_every_row_an
         flat = {kind: {"path": path, "bytes": (tmp_path / path).stat().st_size} for kind, path in paths.items()}
         parts.append({"row_start": start, "rows": 5, "flat": flat})
         start += 5
-    (tmp_path / "corpus.json").write_text(json.dumps({"corpus_format": CORPUS_FORMAT,
-                                                      "train": {"parts": parts, "rows": start}}))
+    (tmp_path / "corpus.json").write_text(json.dumps({"corpus_format": CORPUS_FORMAT, "max_seq_len": 8,
+                                                      "vocab_size": 300, "train": {"parts": parts, "rows": start}}))
     for soft, hard, open_parts, notes in ((96, 96, 12, 1), (96, 1024, 128, 0)):
         result = subprocess.run([sys.executable, "-c", READ_ALL_ROWS, str(tmp_path), str(soft), str(hard)], cwd=ROOT,
                                 env=env_with_repo, capture_output=True, text=True, timeout=120)

@@ -180,14 +180,16 @@ def test_shards_of_another_device_are_not_mixed_in(reference, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"0 already done, {len(expected)} to run" in result.stdout
     assert _hashes(out) == expected
-    assert json.loads((out / "manifest.json").read_text())["devices"] == [here]
+    made = json.loads((out / "manifest.json").read_text())
+    from generate.job import libraries
+    assert made["devices"] == [here] and made["libraries"] == [libraries()]  # torch, numpy and pyarrow's versions
 
 
 def test_a_folder_of_two_device_kinds_with_no_shard_left_is_refused_not_finished(reference, tmp_path):
     """A --force switch to another device kind killed after its last shard but before its manifest: every shard
     is there and verified, yet they come from two kinds: refused (it was given a manifest of both); --force
     redoes the other kind's."""
-    manifest, folder, expected = reference
+    manifest, folder, _ = reference
     out = tmp_path / "mixed"
     shutil.copytree(folder / "one_worker", out)
     (out / "manifest.json").unlink()
@@ -199,14 +201,7 @@ def test_a_folder_of_two_device_kinds_with_no_shard_left_is_refused_not_finished
                                 for i, r in enumerate(records)))
     result = subprocess.run(_cmd(manifest, out, 1), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and f"made on {other}" in result.stderr, result.stderr[-3000:]
-    assert not (out / "manifest.json").exists()
-    result = subprocess.run(_cmd(manifest, out, 1) + ["--force"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{len(expected) - 1} already done, 1 to run" in result.stdout
-    assert _hashes(out) == expected and json.loads((out / "manifest.json").read_text())["devices"] == [here]
-    from generate.job import libraries
-    assert json.loads((out / "manifest.json").read_text())["libraries"] == [libraries()]  # torch, numpy, pyarrow
+    assert "--force" in result.stderr and not (out / "manifest.json").exists()  # --force: the test above
 
 
 def test_an_actor_dying_past_rays_restarts_stops_the_run_with_one_line_naming_its_shard(reference, tmp_path):
