@@ -221,6 +221,7 @@ def long_rows(corpus_dir: Path, out_dir: Path, row_tokens: int = ROW_TOKENS) -> 
         flat[kind] = {"path": path.name, "bytes": path.stat().st_size}
     meta["train"] = {**meta["train"], "rows": n, "tokens": int(len(tokens)),
                      "parts": [{**meta["train"]["parts"][0], "flat": flat, "rows": n, "row_start": 0}]}
+    meta["max_seq_len"] = max(meta["max_seq_len"], row_tokens)  # SplitRows checks every row against it
     (out_dir / "corpus.json").write_text(json.dumps(meta))
     return out_dir
 

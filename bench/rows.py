@@ -33,7 +33,8 @@ def write_split(root: Path, parts: int, rows_per_part: int = 4000, seed: int = 0
         flat = {kind: {"path": path, "bytes": (root / path).stat().st_size} for kind, path in paths.items()}
         records.append({"row_start": start, "rows": rows_per_part, "flat": flat})
         start += rows_per_part
-    meta = {"corpus_format": CORPUS_FORMAT, "train": {"parts": records, "rows": start}}
+    meta = {"corpus_format": CORPUS_FORMAT, "max_seq_len": 512, "vocab_size": 32000,
+            "train": {"parts": records, "rows": start}}
     (root / "corpus.json").write_text(json.dumps(meta))
     return start
 
