@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import zlib
 import subprocess
 import sys
 import tarfile
@@ -346,7 +347,12 @@ def _jsonl_document(line: bytes, text_column: str, where) -> str:
     text = record[text_column]
     if not isinstance(text, str):
         raise CorpusError(f"{where()}: {text_column!r} is {type(text).__name__}, not a string")
+    if _SURROGATE.search(text):  # JSON's "\ud83d" alone (half an emoji, cut by a scraper): no UTF-8 for it,
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # so U+FFFD in its place
     return check_text(clean_text(text), where)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _read_jsonl(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:
@@ -401,6 +407,13 @@ def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErro
         raise
     except (OSError, EOFError) as e:  # gzip's BadGzipFile and pyarrow's IO errors are OSErrors
         raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
+    except zlib.error as e:  # compressed data damaged inside the stream: the same on every read
+        raise CorpusError(f"{piece.file.path} is damaged (its gzip data: {e}); repair or remove it") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for damaged pages (ArrowInvalid and kin)
+        import pyarrow as pa
+        if isinstance(e, pa.ArrowException):
+            raise CorpusError(f"{piece.file.path} is damaged ({type(e).__name__}: {e}); repair or remove it") from None
+        raise
 
 
 def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusError]:

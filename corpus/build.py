@@ -15,6 +15,7 @@ never on the number of workers. Paper appendix A: sequences respect document bou
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import json
@@ -88,7 +89,8 @@ def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float
     characters: past them, random entries leave and the reservoir shrinks to what fits."""
     check_unchanged(unit)
     rng = random.Random(hash((seed, unit.index, 0x5CA)))  # Python ints hash the same in every process
-    hashes, sample, seen, size, skipped = [], [], 0, 0, [] if skip_bad else None
+    # 8 bytes a document (a list of Python ints held ~62: 6 GB for one gzip file of 100M documents)
+    hashes, sample, seen, size, skipped = array.array("Q"), [], 0, 0, [] if skip_bad else None
     for i, doc in enumerate(read_unit(unit, text_column, skipped)):
         h = document_hash(doc.text, seed)
         hashes.append(h)
@@ -106,10 +108,11 @@ def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float
             while size > sample_bytes and len(sample) > 1:  # bounded in characters too
                 size -= len(sample.pop(rng.randrange(len(sample)))[2])
                 sample_lines = len(sample)
+    check_unchanged(unit)  # a file rewritten while it was read: hashes of two versions
     sample.sort(key=lambda entry: entry[:2])  # document order
     sample = [(i, k, " ".join(block.split())[:MAX_PARAGRAPH_CHARS]) for i, k, block in sample]
     sample = [entry for entry in sample if entry[2]]
-    return {"unit": unit.index, "hashes": np.asarray(hashes, dtype=np.uint64), "sample": sample,
+    return {"unit": unit.index, "hashes": np.frombuffer(hashes, dtype=np.uint64).copy(), "sample": sample,
             "skipped": (skipped or [])[:KEPT_MESSAGES], "skipped_count": len(skipped or [])}
 
 
@@ -231,6 +234,10 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, masks: tuple, doc_
     with atomic_path(documents_path) as tmp, pq.ParquetWriter(tmp, DOCUMENTS_SCHEMA, **PARQUET_OPTIONS) as names_out:
         try:
             for i, doc in enumerate(read_unit(unit, text_column, [] if skip_bad else None)):  # the scan's documents
+                if i >= len(keep):  # more documents than the scan found: the file grew since
+                    check_unchanged(unit)
+                    raise CorpusError(f"unit {unit.index} holds more documents than its scan found; run `make "
+                                      f"corpus` again")
                 if not keep[i]:
                     continue
                 split = "valid" if valid[i] else "train"
@@ -243,6 +250,7 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, masks: tuple, doc_
                 doc_id, documents = doc_id + 1, documents + 1
                 if len(names) >= PartWriter.FLUSH_ROWS:
                     _write_names(names_out, names)
+            check_unchanged(unit)  # a file rewritten while it was read would publish parts of two versions
             _write_names(names_out, names)
             parts = {s: record for s in SPLITS if (record := writers[s].close())}
         except BaseException:
@@ -676,6 +684,9 @@ def _pack_and_publish(config, source, files, units, decision: Decision, tok, sta
     if hashed:
         log(f"corpus: hashed {len(hashed)} part file(s) again, their size or time changed since they were recorded")
     doc_starts = np.cumsum([0] + decision.kept).tolist()
+    if doc_starts[-1] >= 2**31:  # doc_id is int32 in the parts and documents/ (said before the pass, not in it)
+        raise CorpusError(f"the corpus keeps {doc_starts[-1]:,} documents, more than the 2,147,483,647 its document "
+                          f"ids can number: join short documents (a line each?) into longer ones in the source")
     masks = lambda u: (decision.starts[u.index], decision.valid_fraction, decision.force)  # read by the worker
     jobs = [(u, (cfg.text_column, str(staging), masks(u), doc_starts[u.index], cfg.max_seq_len, cfg.min_seq_len,
                  cfg.on_bad_input == "skip")) for u in units if u.index not in done]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -65,7 +66,14 @@ def finished(run_dir: Path, config: RunConfig, fingerprint: str) -> bool:
     except (OSError, ValueError, ConfigError):
         return False
     return (isinstance(summary, dict) and summary.get("data_fingerprint") == fingerprint
+            and summary.get("steps") == summary.get("planned_steps")
             and trajectory_config(config_to_dict(resolved)) == trajectory_config(config_to_dict(config)))
+
+
+def best_run(rows: list[dict]) -> str | None:
+    """The name of the run of highest validation AUC; a nan AUC (a diverged run) is never the best."""
+    scored = [r for r in rows if r.get("end") and not math.isnan(r["end"]["auc"])]  # max() never passes a nan
+    return max(scored, key=lambda r: r["end"]["auc"])["name"] if scored else None
 
 
 def summary_table(rows: list[dict], grid_keys: list[str]) -> str:
@@ -97,8 +105,7 @@ def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=prin
         summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.is_file() else {}
         rows.append({"name": name, "grid": point, "run_dir": str(run_dir),
                      "status": "done" if summary else f"failed (exit {code})", **summary})
-    best = [r for r in rows if r.get("end")]
-    best = max(best, key=lambda r: r["end"]["auc"])["name"] if best else None
+    best = best_run(rows)
     grid_keys = sorted(config.sweep.train)
     atomic_write_json(out_dir / "sweep.json", {"data_dir": str(data_dir), "data_fingerprint": fingerprint,
                                                "grid": config.sweep.train, "best_by_val_auc": best, "runs": rows})

@@ -314,6 +314,21 @@ def load_task(cfg: FinetuneConfig, tasks_dir: Path) -> tuple[Path, Examples, Exa
     return folder, train, dev, names
 
 
+def read_run(path: Path) -> dict | None:
+    """A finished run's record (seed-K.json), or None: not there, or damaged (written atomically, so by hand or
+    by the disk), which is said and the run made again."""
+    if not path.is_file():
+        return None
+    try:
+        run = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        run = None
+    if isinstance(run, dict) and "key" in run and "metrics" in run:
+        return run
+    print(f"finetune: {path} is damaged; making that run again", flush=True)
+    return None
+
+
 def finetune(cfg: FinetuneConfig, backbone: Backbone, out_dir: Path, tasks_dir: Path, progress: bool = True) -> dict:
     """Every grid point x seed (runs already in `out_dir` with the same inputs are reused), then
     results.json / results.md. Returns the results."""
@@ -342,7 +357,7 @@ def finetune(cfg: FinetuneConfig, backbone: Backbone, out_dir: Path, tasks_dir: 
             key = {"format_version": RUN_FORMAT_VERSION, "point": point, "seed": seed, "settings": settings,
                    "task": identity(task), "backbone": identity(backbone.source)}
             path = out_dir / "runs" / point_name(point) / f"seed-{seed}.json"
-            run = json.loads(path.read_text()) if path.is_file() else None
+            run = read_run(path)
             if run is not None and run["key"] != key:
                 raise ConfigError(f"{path} holds a run of another model, task or setting; use another --out")
             if run is None:

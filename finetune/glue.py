@@ -55,8 +55,9 @@ class Examples:
         return len(self.text_a)
 
 
-def read_tsv(path: Path, columns: list[str]) -> tuple[list[str], list[list[str]]]:
-    """(column names, rows) of a TSV file; `columns` names the fields of a headerless file."""
+def read_tsv(path: Path, columns: list[str]) -> tuple[list[str], list[list[str]], list[int]]:
+    """(column names, rows, each row's line number in the file) of a TSV file; `columns` names the fields of a
+    headerless file. Blank lines are skipped (and counted)."""
     if not path.is_file():
         raise TaskError(f"task file {path} does not exist")
     raw = path.read_bytes()
@@ -65,26 +66,25 @@ def read_tsv(path: Path, columns: list[str]) -> tuple[list[str], list[list[str]]
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise TaskError(f"{path}:{line} is not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8") from None
-    lines = [l for l in text.split("\n") if l.strip()]
-    lines = [l[:-1] if l.endswith("\r") else l for l in lines]
-    header = list(columns) if columns else (lines.pop(0).split("\t") if lines else [])
+    lines = [(n, l[:-1] if l.endswith("\r") else l) for n, l in enumerate(text.split("\n"), 1) if l.strip()]
+    header = list(columns) if columns else (lines.pop(0)[1].split("\t") if lines else [])
     if not lines:
         raise TaskError(f"task file {path} holds no examples")
     rows = []
-    for number, line in enumerate(lines, 1 if columns else 2):
+    for number, line in lines:
         fields = line.split("\t")
         if len(fields) < len(header):
             raise TaskError(f"{path}:{number} has {len(fields)} tab-separated fields, the header has "
                             f"{len(header)} ({', '.join(header)})")
         rows.append(fields)
-    return header, rows
+    return header, rows, [n for n, _ in lines]
 
 
 def read_split(path: Path, columns: list[str], text_a: str, text_b: str, label: str, regression: bool,
                label_names: list[str] | None) -> tuple[Examples, list[str]]:
     """Read one split. Classification labels map to indices of `label_names` (None: the sorted
     labels of this file, numerically if they are all integers); returns the names used."""
-    header, rows = read_tsv(path, columns)
+    header, rows, numbers = read_tsv(path, columns)
     wanted = [c for c in (text_a, text_b, label) if c]
     missing = [c for c in wanted if c not in header]
     if missing:
@@ -93,11 +93,17 @@ def read_split(path: Path, columns: list[str], text_a: str, text_b: str, label: 
     ia, il = header.index(text_a), header.index(label)
     ib = header.index(text_b) if text_b else None
     raw_labels = [r[il].strip() for r in rows]
+    for number, value in zip(numbers, raw_labels):  # an empty label would be a class of its own
+        if not value:
+            raise TaskError(f"{path}:{number} has no label (its {label!r} field is empty)")
     if regression:
         try:
             labels = np.array([float(v) for v in raw_labels], dtype=np.float32)
         except ValueError as e:
             raise TaskError(f"{path}: a regression label is not a number ({e})") from e
+        if not np.isfinite(labels).all():
+            number = numbers[int(np.flatnonzero(~np.isfinite(labels))[0])]
+            raise TaskError(f"{path}:{number} has a regression label that is not a finite number")
         names = []
     else:
         names = list(label_names) if label_names else sort_labels(set(raw_labels))

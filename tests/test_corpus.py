@@ -800,3 +800,41 @@ def test_a_stray_temporary_in_the_staging_folder_is_not_published(tmp_path, monk
     build._publish(staging, tmp_path / "corpus")
     assert [p.relative_to(tmp_path / "corpus").as_posix() for p in sorted((tmp_path / "corpus").rglob("*"))] == [
         "documents", "documents/part-00000.parquet"]
+
+
+def test_damaged_gzip_or_parquet_data_is_an_error_naming_the_file_never_a_bare_library_error(tmp_path):
+    """A byte flipped anywhere in a .jsonl.gz's deflate data or a Parquet file's pages: zlib.error and
+    pyarrow's ArrowInvalid escaped as tracebacks without the file's name (and through Ray as a task's trace)."""
+    import random
+    from common.sources import SourceUnreadable
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    texts = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(200)]
+    gz, parquet = tmp_path / "c.jsonl.gz", tmp_path / "d.parquet"
+    raw_gz = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode(), mtime=0)
+    pq.write_table(pa.table({"text": texts}), parquet, compression="zstd")
+    raw_parquet = parquet.read_bytes()
+    outcomes = []
+    for path, raw in ((gz, raw_gz), (parquet, raw_parquet)):
+        for offset in range(20, len(raw) - 20, max(1, len(raw) // 60)):
+            damaged = bytearray(raw)
+            damaged[offset] ^= 0xFF
+            path.write_bytes(bytes(damaged))
+            try:
+                [d for u in work_units(source_files(str(path), tmp_path), unit_bytes=1 << 30) for d in read_unit(u, "text")]
+            except (CorpusError, SourceUnreadable) as e:
+                assert str(path) in str(e), e
+                outcomes.append(str(e))
+        path.unlink()
+    assert any(f"{gz} is damaged (its gzip data" in o for o in outcomes), outcomes[:5]
+    assert any(f"{parquet} is damaged" in o or f"{parquet} cannot be read" in o for o in outcomes), outcomes[-5:]
+
+
+def test_a_lone_surrogate_in_jsonl_text_becomes_the_replacement_character(tmp_path):
+    """JSON's "\\ud83d" alone (half an emoji) has no UTF-8: the tokenizer failed on it, blaming the vocabulary
+    size, or a part's packing failed after the whole scan."""
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a cut emoji \\ud83d here"}\n{"text": "a whole one \\ud83d\\ude00 here"}\n')
+    docs = [d.text for u in work_units(source_files(str(path), tmp_path), unit_bytes=1 << 30) for d in read_unit(u, "text")]
+    assert docs == ["a cut emoji \ufffd here", "a whole one \U0001F600 here"]
+    assert all(d.encode("utf-8") for d in docs)

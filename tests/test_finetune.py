@@ -104,11 +104,14 @@ def test_read_split_labels_pairs_and_headerless_files(tmp_path):
     ("not_utf8", "train.tsv:3 is not UTF-8 text (byte 0xe9)"),
     ("regression_text", "not a number"),
     ("one_label", "at least 2 labels"),
+    ("blank_lines_then_short_row", "train.tsv:6 has 1 tab-separated fields"),  # the file's own line number
+    ("empty_label", "train.tsv:4 has no label (its 'label' field is empty)"),   # was a third class, ''
+    ("regression_nan", "train.tsv:3 has a regression label that is not a finite number"),
 ])
 def test_bad_task_files_are_clear_errors(tmp_path, case, message):
     good = [("good day", "1"), ("foul night", "0")]
     folder = tmp_path / "task"
-    regression = case == "regression_text"
+    regression = case in ("regression_text", "regression_nan")
     if case == "missing_column":
         write_task(folder, good, good, header="text\tlabel")
     elif case == "unknown_label":
@@ -128,6 +131,14 @@ def test_bad_task_files_are_clear_errors(tmp_path, case, message):
         write_task(folder, [("a", "0.5"), ("b", "high")], good)
     elif case == "one_label":
         write_task(folder, [("a", "1"), ("b", "1")], good)
+    elif case == "blank_lines_then_short_row":
+        write_task(folder, good, good)
+        (folder / "train.tsv").write_text("sentence\tlabel\n\n\ngood day\t1\n\nno label here\n")
+    elif case == "empty_label":
+        write_task(folder, good, good)
+        (folder / "train.tsv").write_text("sentence\tlabel\ngood day\t1\nfoul night\t0\nok film\t\n")
+    elif case == "regression_nan":
+        write_task(folder, [("a", "0.5"), ("b", "nan")], good)
     with pytest.raises(TaskError, match=message.replace("(", r"\(").replace(")", r"\)")):
         read_split(folder / "train.tsv", [], "sentence", "", "label", regression, None) if case != "unknown_label" \
             else read_split(folder / "dev.tsv", [], "sentence", "", "label", False, ["0", "1"])
@@ -275,6 +286,13 @@ def test_finetune_runs_grid_and_seeds_and_reports_median_and_spread(backbone_fil
     assert [p.stat().st_mtime_ns for p in runs] == stamps
     again = json.loads((tmp_path / "out" / "results.json").read_text())
     assert again["points"] == results["points"]
+    # a damaged run record is said and that run made again, with the same result (was a JSONDecodeError traceback)
+    runs[0].write_text(runs[0].read_text()[:100])
+    capsys.readouterr()
+    assert run_cli(backbone_files, task, tmp_path / "out", *sets) == 0
+    assert f"finetune: {runs[0]} is damaged; making that run again" in capsys.readouterr().out
+    remade = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
+    assert [p["summary"] for p in remade] == [p["summary"] for p in results["points"]]  # its seconds aside
     # ... but not runs made from another model
     assert run_cli(backbone_files, task, tmp_path / "out", *sets, "--init", "none") == 2
 

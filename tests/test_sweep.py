@@ -137,3 +137,20 @@ def test_ctrl_c_stops_the_sweep_after_its_trainer_checkpoints(generated, tmp_pat
     stopped = len(metrics.read_text().splitlines())
     assert [p.name for p in (out / "lr=0.001" / "checkpoints").iterdir()] == [f"step-{stopped:08d}.pt"]
     assert not (out / "lr=0.004").exists()
+
+
+def test_a_diverged_run_is_never_the_best_and_an_unfinished_summary_is_no_finished_run(generated, tmp_path):
+    import math
+    from experiments.sweep import best_run, finished
+    rows = [{"name": "lr=0.01", "end": {"auc": math.nan}}, {"name": "lr=0.001", "end": {"auc": 0.7}},
+            {"name": "lr=0.0001", "end": {"auc": 0.6}}, {"name": "failed"}]
+    assert best_run(rows) == "lr=0.001"  # max() kept the nan in first place
+    assert best_run(rows[:1]) is None
+    manifest, _, _ = generated
+    config = load_manifest(manifest)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "resolved_manifest.toml").write_text(dump_toml(config))
+    for steps, planned, done in ((8, 8, True), (5, 8, False)):  # a run cut short (a deadline) is not finished
+        (run / "summary.json").write_text(json.dumps({"data_fingerprint": "f", "steps": steps, "planned_steps": planned}))
+        assert finished(run, config, "f") is done

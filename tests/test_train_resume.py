@@ -291,3 +291,18 @@ def test_ctrl_c_stops_after_the_update_in_flight_with_a_checkpoint_and_a_second_
                             timeout=300)
     assert result.returncode == 0 and "was already complete at step 12; nothing to train" in result.stdout
     assert (run / "summary.json").read_bytes() == summary and "0 tokens/s" not in result.stdout, result.stdout
+
+
+def test_a_run_that_trains_again_in_a_folder_removes_the_summary_an_earlier_run_left(generated, tmp_path,
+                                                                                       env_with_repo):
+    """A folder holding a finished run's summary.json but no checkpoint (deleted to save space): a new run there
+    starts from step 0, and killed, leaves no summary that a sweep would take for its finished result."""
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"steps": 8, "planned_steps": 8, "data_fingerprint": "x"}))
+    killed = subprocess.run([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data),
+                             "--out", str(run), "--resume"], cwd=ROOT, env={**env_with_repo, KILL_AT_STEP_ENV: "2"},
+                            capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (run / "summary.json").exists() and (run / "metrics.jsonl").is_file()

@@ -344,6 +344,8 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     is_main, history = rank == 0, progress.history
     if is_main:
         metrics_path = open_metrics(run_dir, config, progress.step)
+        if progress.step < total_steps:  # training more: a summary left by an earlier run in the folder is not
+            (run_dir / "summary.json").unlink(missing_ok=True)  # this one's (a sweep reads it as finished)
         board = TensorBoardLog(run_dir, progress.step) if tc.tensorboard else None
         print(f"train: {count_parameters(model) / 1e6:.2f}M parameters, {world} rank(s) on {device}, "
               f"{total_steps} steps x {tc.batch_size} rows ({micro} per micro-batch, {accum} accumulated); "
