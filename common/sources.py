@@ -236,8 +236,30 @@ def _kind(path: Path) -> str | None:
     return next((kind for suffix, kind in SUFFIXES.items() if name.endswith(suffix)), None)
 
 
-def source_files(source: str, cache_dir: str | Path) -> list[SourceFile]:
-    """The files of a source, sorted by name; 'shakespeare' is the embedded default."""
+def _walk(folder: Path, ignored: list | None) -> list[Path]:
+    """Every file of a kind read here under `folder`, through linked folders too (a cluster's source is often a
+    folder of links into shared storage; `rglob` does not enter them), each folder once; the others, files of
+    other kinds and links to nothing, appended to `ignored` (hidden names aside)."""
+    found, seen = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        stat = os.stat(root)
+        if (stat.st_dev, stat.st_ino) in seen:  # a link back up the tree
+            dirs[:] = []
+            continue
+        seen.add((stat.st_dev, stat.st_ino))
+        dirs.sort()
+        for name in names:
+            p = Path(root) / name
+            if p.is_file() and _kind(p):
+                found.append(p)
+            elif ignored is not None and not name.startswith("."):
+                ignored.append(str(p.relative_to(folder)) + ("" if p.exists() else " (a link to nothing)"))
+    return found
+
+
+def source_files(source: str, cache_dir: str | Path, ignored: list | None = None) -> list[SourceFile]:
+    """The files of a source, sorted by name; 'shakespeare' is the embedded default. `ignored`: a list to which
+    the folder's other files are appended (what the build says it left out)."""
     if "://" in source:  # Path() would fold s3://b/p into s3:/b/p and say it does not exist
         raise CorpusError(f"corpus source {source}: sources are read from this machine's file system (a folder or "
                           f"a file); copy it here first (the built corpus can go to object storage: --out)")
@@ -245,7 +267,7 @@ def source_files(source: str, cache_dir: str | Path) -> list[SourceFile]:
     if not path.exists():
         raise CorpusError(f"corpus source {path} does not exist")
     if path.is_dir():
-        found = sorted((p for p in path.rglob("*") if p.is_file() and _kind(p)), key=lambda p: str(p.relative_to(path)))
+        found = sorted(_walk(path, ignored), key=lambda p: str(p.relative_to(path)))
         names = [str(p.relative_to(path)) for p in found]
     elif _kind(path):
         found, names = [path], [path.name]

@@ -37,7 +37,7 @@ from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atom
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
                        tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
-from common.sources import (CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, check_unchanged,
+from common.sources import (SUFFIXES, CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, check_unchanged,
                             document_hash, paragraphs,
                             read_unit, source_files, work_units)
 from common import hf
@@ -623,7 +623,11 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     out_dir = Path(out_dir)
     t_start = time.time()
     check_hf_aux(config)
-    files = source_files(source, cache_dir=out_dir.parent / "downloads")
+    ignored: list[str] = []
+    files = source_files(source, cache_dir=out_dir.parent / "downloads", ignored=ignored)
+    if ignored:  # a .zst or .bz2 among them is text this build does not read: said, not silently left out
+        log(f"corpus: note: {len(ignored)} file(s) in {source} are not of a kind read here ({', '.join(SUFFIXES)}) "
+            f"and are left out: {', '.join(sorted(ignored)[:5])}{', ...' if len(ignored) > 5 else ''}")
     units = work_units(files, max(1, int(cfg.unit_mb * 2**20)))
     total_bytes = sum(u.bytes for u in units)
     if not total_bytes:

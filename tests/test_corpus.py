@@ -838,3 +838,24 @@ def test_a_lone_surrogate_in_jsonl_text_becomes_the_replacement_character(tmp_pa
     docs = [d.text for u in work_units(source_files(str(path), tmp_path), unit_bytes=1 << 30) for d in read_unit(u, "text")]
     assert docs == ["a cut emoji \ufffd here", "a whole one \U0001F600 here"]
     assert all(d.encode("utf-8") for d in docs)
+
+
+def test_a_source_folder_is_read_through_its_links_and_what_it_leaves_out_is_said(tmp_path):
+    """A folder of links into shared storage (rglob did not enter linked folders: those files were left out
+    without a word), a link back up the tree read once, and files of other kinds named in the build's note."""
+    elsewhere = tmp_path / "shared" / "books"
+    write_text_corpus(elsewhere, num_docs=2, seed=3)
+    raw = write_text_corpus(tmp_path / "raw", num_docs=3)
+    (raw / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (raw / "back").symlink_to(raw, target_is_directory=True)
+    (raw / "more.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    (raw / "gone.txt").symlink_to(tmp_path / "nothing.txt")
+    ignored = []
+    names = [f.name for f in source_files(str(raw), tmp_path, ignored)]
+    assert names == sorted(names) and len(names) == 5 and sum(n.startswith("linked/") for n in names) == 2
+    assert sorted(ignored) == ["gone.txt (a link to nothing)", "more.jsonl.zst"]
+    said = []
+    config = tiny_config(tmp_path)
+    build_corpus(config, config.corpus_dir, log=said.append)
+    assert any("2 file(s) in" in line and "are left out: gone.txt (a link to nothing), more.jsonl.zst" in line
+               for line in said), said
