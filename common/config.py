@@ -676,6 +676,11 @@ NOT_TRAJECTORY_AUX = ("eval_every", "log_every", "ckpt_every")  # the aux run's 
 SCHEDULING_ONLY = ("tasks_in_flight", "actors_per_gpu")
 
 
+# the replaced-token distributions whose strength follows a schedule: the aux model's curricula and the two
+# interpolations to the smoothed one-hot (appendix B); the others are fixed (`common.plan.has_schedule`)
+SCHEDULED_DISTRIBUTIONS = ("aux", "uniform_to_soh", "tf_to_soh")
+
+
 def generation_settings(generate: dict) -> dict:
     """[generate] (a dict, `config_to_dict`'s) as the shards' bytes depend on it: without the keys that only
     schedule the work, and the keys the chosen curriculum never reads at their defaults (`t0` of a uniform
@@ -685,7 +690,7 @@ def generation_settings(generate: dict) -> dict:
     kept = {k: v for k, v in generate.items() if k not in SCHEDULING_ONLY}
     distribution = kept.get("distribution", defaults["distribution"])
     temperature = distribution == "aux" and kept.get("augmentation", defaults["augmentation"]) == "temperature"
-    scheduled = distribution in ("aux", "uniform_to_soh", "tf_to_soh")  # common.plan.has_schedule
+    scheduled = distribution in SCHEDULED_DISTRIBUTIONS
     unused = ["augmentation"] if distribution != "aux" else []
     unused += [] if temperature else ["t0"]
     unused += ["gamma_max"] if temperature or not scheduled else []

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import ConfigError, GenerateConfig, RunConfig, generation_settings
+from common.config import SCHEDULED_DISTRIBUTIONS, ConfigError, GenerateConfig, RunConfig, generation_settings
 from common.curriculum import GENERATOR_STREAM, VALID_EPOCH, row_fraction, strength_at
 
 
@@ -158,16 +158,13 @@ class IndexPermutation:
         return out.astype(np.int64)
 
 
-INTERPOLATIONS = ("uniform_to_soh", "tf_to_soh")
-
-
 def scales_temperature(cfg: GenerateConfig) -> bool:
     """The paper's own curriculum: the aux model's output at a scheduled temperature."""
     return cfg.distribution == "aux" and cfg.augmentation == "temperature"
 
 
 def has_schedule(cfg: GenerateConfig) -> bool:
-    return cfg.distribution in ("aux", *INTERPOLATIONS)
+    return cfg.distribution in SCHEDULED_DISTRIBUTIONS
 
 
 def epoch_curriculum(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int, epochs: int = 0):
