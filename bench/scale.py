@@ -20,6 +20,9 @@ In one run:
   corpus_rss_4x_vs_1x       peak RSS of `python -m corpus` (one worker, its whole process tree) on a single
                             .jsonl.gz holding 4x the text over one holding 1x (100 MB of text), the
                             tokenizer's sample bounded (max_sentences 50,000, reached by both) (target <= 1.2)
+  corpus_documents_rss_4x_vs_1x  the same on one .jsonl.gz of 4M short documents (~160 characters) over one of
+                            1M: what the stage keeps per document (hashes, keep and split masks) of its one
+                            work unit, a gzip file, is read and written by chunks (target <= 1.2)
   decide_rss_8x_vs_1x       peak RSS of the corpus driver's decision (exact duplicates, the held-out split) over
                             32M documents' hashes against 4M, a tenth of them copies (target <= 1.2); beside
                             it the same for every hash at once, the way before 2026-11-25
@@ -294,6 +297,41 @@ def corpus_memory(tmp: Path) -> dict:
     return {"corpus_rss_4x_vs_1x": runs[4]["peak_rss_mb"] / runs[1]["peak_rss_mb"], "corpus_runs": runs}
 
 
+def short_documents_gz(path: Path, documents: int, seed: int, cache: Path) -> int:
+    """One .jsonl.gz of `documents` short documents, two of the embedded text's sentences each and a serial
+    number (all distinct: about 160 characters a document, as in a corpus of posts or reviews); returns the
+    bytes of text."""
+    import gzip
+    from bench.corpus import embedded_sentences
+    sentences = embedded_sentences(cache)
+    picks = np.random.default_rng(seed).integers(0, len(sentences), size=(documents, 2))
+    written = 0
+    with gzip.open(path, "wt", compresslevel=1, encoding="utf-8") as f:
+        for i, (a, b) in enumerate(picks):
+            line = json.dumps({"text": f"{sentences[a]} {sentences[b]} ({i})"}) + "\n"
+            written += len(line)
+            f.write(line)
+    return written
+
+
+def corpus_documents_memory(tmp: Path) -> dict:
+    """`python -m corpus` (one worker) on one .jsonl.gz of 1M short documents and of 4M: one gzip file is one
+    work unit, so what the stage keeps per document (hashes, masks) must be read and written by chunks."""
+    from bench.corpus import run_job
+    manifest = tmp / "corpus.toml"
+    manifest.write_text(dump_toml(load_manifest(ROOT / "manifests" / "tiny.toml", ["tokenizer.max_sentences=20000"])))
+    runs = {}
+    for times in (1, 4):
+        source = tmp / f"documents-{times}x.jsonl.gz"
+        text_bytes = short_documents_gz(source, times << 20, seed=times, cache=tmp)
+        runs[times] = {**run_job(manifest, source, tmp / f"documents-{times}x", 1), "documents": times << 20,
+                       "text_mb": text_bytes / 1e6, "gz_mb": source.stat().st_size / 1e6}
+        source.unlink()
+        shutil.rmtree(tmp / f"documents-{times}x", ignore_errors=True)
+    return {"corpus_documents_rss_4x_vs_1x": runs[4]["peak_rss_mb"] / runs[1]["peak_rss_mb"],
+            "corpus_documents_runs": runs}
+
+
 def write_scan(folder: Path, units: int, docs_per_unit: int, seed: int) -> list:
     """A corpus stage's scan output as `_decide` reads it: per unit, its documents' 64-bit hashes, a tenth of
     them copies of earlier documents'."""
@@ -347,7 +385,7 @@ def decide_memory(tmp: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--parts", default="driver,read,start,corpus,decide,preflight,generation",
+    parser.add_argument("--parts", default="driver,read,start,corpus,documents,decide,preflight,generation",
                         help="which figures to measure (the others are kept from the last scale.json)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -358,15 +396,17 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     parts = set(args.parts.split(","))
-    result = json.loads((out / "scale.json").read_text()) if parts != {"driver", "read", "start", "corpus", "decide",
-                                                                         "preflight", "generation"} else {}
+    every = {"driver", "read", "start", "corpus", "documents", "decide", "preflight", "generation"}
+    result = json.loads((out / "scale.json").read_text()) if parts != every else {}
     result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{machine()}, Python {platform.python_version()}, torch {importlib.metadata.version('torch')}"})
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for name, measure in (("driver", driver_memory), ("read", rank_reading), ("start", start_time),
-                              ("corpus", corpus_memory), ("decide", decide_memory), ("preflight", preflight_error),
+                              ("corpus", corpus_memory), ("documents", corpus_documents_memory),
+                              ("decide", decide_memory), ("preflight", preflight_error),
                               ("generation", generation_preflight_error)):
             if name in parts:
-                result.update(measure(Path(tmp)) if name in ("read", "start", "corpus", "decide") else measure())
+                result.update(measure(Path(tmp)) if name in ("read", "start", "corpus", "documents", "decide")
+                              else measure())
     atomic_write_json(out / "scale.json", result)
     result = json.loads(json.dumps(result))  # keys as the file has them, whether measured now or kept
     md = ["# make bench-scale", "", f"{result['date']}, {result['machine']}.", "",
@@ -387,6 +427,11 @@ def main(argv=None) -> int:
           f"{result['corpus_rss_4x_vs_1x']:.3f} ({result['corpus_runs']['4']['peak_rss_mb']:.0f} / "
           f"{result['corpus_runs']['1']['peak_rss_mb']:.0f} MB; {result['corpus_runs']['4']['text_mb']:.0f} / "
           f"{result['corpus_runs']['1']['text_mb']:.0f} MB of text) | <= 1.2 |",
+          f"| corpus stage peak RSS, one .jsonl.gz of 4M short documents / 1M (`corpus_documents_rss_4x_vs_1x`) | "
+          f"{result['corpus_documents_rss_4x_vs_1x']:.3f} ({result['corpus_documents_runs']['4']['peak_rss_mb']:.0f} / "
+          f"{result['corpus_documents_runs']['1']['peak_rss_mb']:.0f} MB; "
+          f"{result['corpus_documents_runs']['4']['text_mb']:.0f} / {result['corpus_documents_runs']['1']['text_mb']:.0f} "
+          f"MB of text) | <= 1.2 |",
           f"| corpus driver's decision (duplicates, split), peak RSS, 8x the documents / 1x "
           f"(`decide_rss_8x_vs_1x`) | {result['decide_rss_8x_vs_1x']:.3f} "
           f"({result['decide_runs']['8x']['buckets']['rss_bytes'] / 2**20:.0f} / "

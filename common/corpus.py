@@ -198,6 +198,40 @@ def npy_chunks(path: str | Path, chunk: int = 1 << 22):
             yield values
 
 
+class NpyAppender:
+    """A 1-d .npy file written as its values come (`npy_chunks` reads it back): values go to a raw temporary as
+    they are appended, and `close` publishes, atomically, np.save's header followed by them (the bytes np.save
+    writes for the whole array), so a file of any length is written in the memory of one append."""
+
+    def __init__(self, path: str | Path, dtype):
+        self.path, self.dtype, self.count = Path(path), np.dtype(dtype), 0
+        self.raw_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-raw")  # what remove_stale_tmp takes
+        self.raw = open(self.raw_path, "wb")
+
+    def append(self, values) -> None:
+        values = np.ascontiguousarray(values, dtype=self.dtype)
+        self.raw.write(values.tobytes())
+        self.count += len(values)
+
+    def close(self) -> Path:
+        import shutil
+        self.raw.close()
+        try:
+            with atomic_path(self.path) as tmp, open(tmp, "wb") as f:
+                header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
+                          "shape": (self.count,)}
+                np.lib.format.write_array_header_1_0(f, header)
+                with open(self.raw_path, "rb") as data:
+                    shutil.copyfileobj(data, f, 1 << 16)
+        finally:
+            self.raw_path.unlink(missing_ok=True)
+        return self.path
+
+    def abort(self) -> None:
+        self.raw.close()
+        self.raw_path.unlink(missing_ok=True)
+
+
 def count_terms(token_files, vocab_size: int) -> np.ndarray:
     """Occurrences of every id in the token files, int64 (vocab_size,), read a chunk at a time."""
     counts = np.zeros(vocab_size, dtype=np.int64)

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from common.config import RunConfig, config_to_dict, dump_toml
-from common.corpus import CORPUS_FORMAT, CORPUS_META, load_corpus_meta, npy_header, term_counts
+from common.corpus import CORPUS_FORMAT, CORPUS_META, NpyAppender, load_corpus_meta, npy_chunks, npy_header, term_counts
 from common.storage import cache_folder, is_remote, location
 from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
@@ -82,42 +82,73 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
 
 # --- the two passes over a unit (run in Ray workers; pure functions of their arguments) ---------
 
-def scan_unit(unit: WorkUnit, text_column: str, seed: int, valid_fraction: float, sample_lines: int,
-              skip_bad: bool = False, sample_bytes: float = math.inf) -> dict:
-    """Pass 1: every document's hash and split, and a seeded reservoir sample of `sample_lines`
-    paragraphs of its training documents, as (document index, text), holding at most `sample_bytes`
-    characters: past them, random entries leave and the reservoir shrinks to what fits."""
+KEPT_MESSAGES = 3  # a unit's scan keeps its first few bad documents' messages and counts them all: what the
+# driver loads for every unit stays small however many documents a corpus of on_bad_input = "skip" leaves out
+
+
+class BadDocuments:
+    """The bad documents a read left out ([corpus] on_bad_input = "skip"): every one counted, the messages of
+    the first `kept` kept (a list of them all grew with the file)."""
+
+    def __init__(self, kept: int = KEPT_MESSAGES):
+        self.messages, self.count, self.kept = [], 0, kept
+
+    def append(self, message: str) -> None:
+        self.count += 1
+        if len(self.messages) < self.kept:
+            self.messages.append(message)
+
+
+# A unit's hashes and masks are written and read this many documents at a time: one gzip file is one unit,
+# and its arrays whole (8 bytes a document, ~40 at the decision's peak) grew with the file, 40 GB at 1G documents.
+UNIT_CHUNK_DOCS = 1 << 20
+
+
+def scan_unit(unit: WorkUnit, hashes_path: str, text_column: str, seed: int, valid_fraction: float,
+              sample_lines: int, skip_bad: bool = False, sample_bytes: float = math.inf,
+              chunk_docs: int = UNIT_CHUNK_DOCS) -> dict:
+    """Pass 1: every document's hash (to `hashes_path`, a .npy of uint64 written as the read goes) and split,
+    and a seeded reservoir sample of `sample_lines` paragraphs of its training documents, as (document index,
+    text), holding at most `sample_bytes` characters: past them, random entries leave and the reservoir
+    shrinks to what fits. Memory: the sample and `chunk_docs` hashes, whatever the unit's size."""
     check_unchanged(unit)
     rng = random.Random(hash((seed, unit.index, 0x5CA)))  # Python ints hash the same in every process
-    # 8 bytes a document (a list of Python ints held ~62: 6 GB for one gzip file of 100M documents)
-    hashes, sample, seen, size, skipped = array.array("Q"), [], 0, 0, [] if skip_bad else None
-    for i, doc in enumerate(read_unit(unit, text_column, skipped)):
-        h = document_hash(doc.text, seed)
-        hashes.append(h)
-        if is_valid(h, valid_fraction):
-            continue
-        for k, block in enumerate(blocks(doc.text)):  # whitespace is collapsed for the chosen ones only
-            seen += 1
-            block = block[:4 * MAX_PARAGRAPH_CHARS]  # what is kept of it is at most MAX_PARAGRAPH_CHARS
-            if len(sample) < sample_lines:
-                sample.append((i, k, block))
-                size += len(block)
-            elif (j := rng.randrange(seen)) < sample_lines:
-                size += len(block) - len(sample[j][2])
-                sample[j] = (i, k, block)
-            while size > sample_bytes and len(sample) > 1:  # bounded in characters too
-                size -= len(sample.pop(rng.randrange(len(sample)))[2])
-                sample_lines = len(sample)
-    check_unchanged(unit)  # a file rewritten while it was read: hashes of two versions
+    hashes, sample, seen, size, documents = array.array("Q"), [], 0, 0, 0  # 8 bytes a hash, flushed to `out`
+    skipped = BadDocuments(KEPT_MESSAGES) if skip_bad else None
+    out = NpyAppender(hashes_path, np.uint64)
+    try:
+        for i, doc in enumerate(read_unit(unit, text_column, skipped)):
+            h = document_hash(doc.text, seed)
+            hashes.append(h)
+            documents += 1
+            if len(hashes) >= chunk_docs:
+                out.append(np.frombuffer(hashes, dtype=np.uint64))
+                hashes = array.array("Q")
+            if is_valid(h, valid_fraction):
+                continue
+            for k, block in enumerate(blocks(doc.text)):  # whitespace is collapsed for the chosen ones only
+                seen += 1
+                block = block[:4 * MAX_PARAGRAPH_CHARS]  # what is kept of it is at most MAX_PARAGRAPH_CHARS
+                if len(sample) < sample_lines:
+                    sample.append((i, k, block))
+                    size += len(block)
+                elif (j := rng.randrange(seen)) < sample_lines:
+                    size += len(block) - len(sample[j][2])
+                    sample[j] = (i, k, block)
+                while size > sample_bytes and len(sample) > 1:  # bounded in characters too
+                    size -= len(sample.pop(rng.randrange(len(sample)))[2])
+                    sample_lines = len(sample)
+        out.append(np.frombuffer(hashes, dtype=np.uint64))
+        check_unchanged(unit)  # a file rewritten while it was read: hashes of two versions
+        out.close()
+    except BaseException:
+        out.abort()
+        raise
     sample.sort(key=lambda entry: entry[:2])  # document order
     sample = [(i, k, " ".join(block.split())[:MAX_PARAGRAPH_CHARS]) for i, k, block in sample]
     sample = [entry for entry in sample if entry[2]]
-    return {"unit": unit.index, "hashes": np.frombuffer(hashes, dtype=np.uint64).copy(), "sample": sample,
-            "skipped": (skipped or [])[:KEPT_MESSAGES], "skipped_count": len(skipped or [])}
-
-
-KEPT_MESSAGES = 3  # a unit's scan keeps its first few bad documents' messages and counts them all: what the
-# driver loads for every unit stays small however many documents a corpus of on_bad_input = "skip" leaves out
+    return {"unit": unit.index, "documents": documents, "sample": sample,
+            "skipped": [] if skipped is None else skipped.messages, "skipped_count": 0 if skipped is None else skipped.count}
 
 
 def pack_document(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[np.ndarray]:
@@ -220,36 +251,54 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, masks: tuple, doc_
               min_seq_len: int, skip_bad: bool = False) -> dict:
     """Pass 2: tokenize the unit's kept documents and write its part files (one per non-empty split).
     `masks`: (the unit's first document's index, valid_fraction, `Decision.force`), which and how its
-    documents are kept, read here from the driver's decision in `out_dir/scan/` (`unit_masks`)."""
+    documents are kept, read here from the driver's decision in `out_dir/scan/` (`UnitMasks`). Documents are
+    tokenized a batch at a time (`ENCODE_BATCH_DOCS` of them, or `ENCODE_BATCH_CHARS`): one SentencePiece call
+    a short document cost four times the encoding itself; each text is encoded alone either way."""
     time.sleep(float(os.environ.get(SLOW_ENV, "0")))
     check_unchanged(unit)
     out = Path(out_dir)
-    keep, valid = unit_masks(out / "scan", unit.index, *masks)
+    flags = UnitMasks(out / "scan", unit.index, *masks)
     tok = open_tokenizer(out)
     writers = {s: PartWriter(out, s, unit.index) for s in SPLITS}  # rows leave memory every FLUSH_ROWS
-    names, documents, doc_id, encode_s = [], 0, doc_id_start, 0.0
+    names, batch, batch_chars = [], [], 0
+    documents, doc_id, encode_s = 0, doc_id_start, 0.0
     documents_path = out / "documents" / f"part-{unit.index:05d}.parquet"
     documents_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def encode_batch():  # the batch's documents tokenized, packed and handed to their split's part
+        nonlocal encode_s, batch_chars
+        t0 = time.perf_counter()
+        pieces = tok.encode_native([text for _, _, texts in batch for text in texts])  # bench-corpus's limit
+        encode_s += time.perf_counter() - t0
+        first = 0
+        for doc_id, split, texts in batch:
+            ids = tok.to_ours(pieces[first:first + len(texts)])
+            writers[split].add(pack_document(ids, max_seq_len, min_seq_len), doc_id)
+            first += len(texts)
+        batch.clear()
+        batch_chars = 0
+
     import pyarrow.parquet as pq
     with atomic_path(documents_path) as tmp, pq.ParquetWriter(tmp, DOCUMENTS_SCHEMA, **PARQUET_OPTIONS) as names_out:
         try:
-            for i, doc in enumerate(read_unit(unit, text_column, [] if skip_bad else None)):  # the scan's documents
-                if i >= len(keep):  # more documents than the scan found: the file grew since
+            for i, doc in enumerate(read_unit(unit, text_column, BadDocuments() if skip_bad else None)):
+                if i >= flags.count:  # more documents than the scan found: the file grew since
                     check_unchanged(unit)
                     raise CorpusError(f"unit {unit.index} holds more documents than its scan found; run `make "
                                       f"corpus` again")
-                if not keep[i]:
+                keep, valid = flags(i)
+                if not keep:
                     continue
-                split = "valid" if valid[i] else "train"
-                texts = paragraphs(doc.text)
-                t0 = time.perf_counter()
-                pieces = tok.encode_native(texts)  # the tokenizer alone, timed: bench-corpus's limit
-                encode_s += time.perf_counter() - t0
-                writers[split].add(pack_document(tok.to_ours(pieces), max_seq_len, min_seq_len), doc_id)
+                split = "valid" if valid else "train"
+                batch.append((doc_id, split, paragraphs(doc.text)))
+                batch_chars += len(doc.text)
+                if len(batch) >= ENCODE_BATCH_DOCS or batch_chars >= ENCODE_BATCH_CHARS:
+                    encode_batch()
                 names.append((doc_id, doc.name, split, len(doc.text)))
                 doc_id, documents = doc_id + 1, documents + 1
                 if len(names) >= PartWriter.FLUSH_ROWS:
                     _write_names(names_out, names)
+            encode_batch()
             check_unchanged(unit)  # a file rewritten while it was read would publish parts of two versions
             _write_names(names_out, names)
             parts = {s: record for s in SPLITS if (record := writers[s].close())}
@@ -258,6 +307,9 @@ def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, masks: tuple, doc_
                 writer.abort()
             raise
     return {"unit": unit.index, "parts": parts, "documents": documents, "encode_s": encode_s}
+
+
+ENCODE_BATCH_DOCS, ENCODE_BATCH_CHARS = 256, 1 << 20  # a batch of documents to tokenize: at most these
 
 
 DOCUMENTS_SCHEMA = pa.schema([("doc_id", pa.int32()), ("name", pa.string()), ("split", pa.string()),
@@ -343,19 +395,16 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
     scan_dir.mkdir(exist_ok=True)
     paths = {u.index: scan_dir / f"unit-{u.index:05d}" for u in units}
 
-    def save(result):
+    def save(result):  # the unit's hashes are in its .npy already, written by the worker as it read
         path = paths[result["unit"]]
-        with atomic_path(path.with_suffix(".npy")) as tmp:
-            with open(tmp, "wb") as f:
-                np.save(f, result["hashes"])
         atomic_write_json(path.with_suffix(".json"), {k: result[k] for k in ("sample", "skipped", "skipped_count")})
 
     todo = [u for u in units if not paths[u.index].with_suffix(".json").is_file()]
     lines = config.tokenizer.max_sentences
     skip = cfg.on_bad_input == "skip"
     budget = config.tokenizer.max_sample_mb * 1e6  # characters of the whole sample, shared like the lines
-    jobs = [(u, (cfg.text_column, config.seed, cfg.valid_fraction, math.ceil(lines * u.bytes / total_bytes), skip,
-                 budget * u.bytes / total_bytes)) for u in todo]
+    jobs = [(u, (str(paths[u.index].with_suffix(".npy")), cfg.text_column, config.seed, cfg.valid_fraction,
+                 math.ceil(lines * u.bytes / total_bytes), skip, budget * u.bytes / total_bytes)) for u in todo]
     log(f"corpus: scanning {len(todo)} of {len(units)} units (hashes, split, tokenizer sample)")
     _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
     # the units' samples (bounded in all) and bad documents; their hashes stay in their files (`_decide`)
@@ -369,7 +418,7 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
 
 # (hash, document index) pairs of the dedup buckets; a bucket holds about this many documents
 PAIR = np.dtype([("hash", "<u8"), ("index", "<i8")])
-DEDUP_BUCKET_DOCS = 1 << 22  # 64 MB of pairs
+DEDUP_BUCKET_DOCS = 1 << 20  # 16 MB of pairs, as a unit's chunk of hashes (UNIT_CHUNK_DOCS)
 
 
 @dataclasses.dataclass
@@ -385,17 +434,33 @@ class Decision:
     kept: list[int] = dataclasses.field(default_factory=list)      # per unit: documents kept
     held_out: list[int] = dataclasses.field(default_factory=list)  # per unit: kept documents held out
 
-    def masks(self, unit: int) -> tuple[np.ndarray, np.ndarray]:
-        return unit_masks(self.scan_dir, unit, self.starts[unit], self.valid_fraction, self.force)
+    def masks(self, unit: int) -> "UnitMasks":
+        return UnitMasks(self.scan_dir, unit, self.starts[unit], self.valid_fraction, self.force)
 
 
-def unit_masks(scan_dir: str | Path, unit: int, start: int, valid_fraction: float,
-               force: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """A unit's documents: which are kept (`_decide`'s file) and which held out (by hash, but for the one or
-    two documents `force` moves to keep both sides of the split non-empty)."""
-    scan_dir = Path(scan_dir)
-    return (np.load(scan_dir / f"unit-{unit:05d}.keep.npy"),
-            held_out_mask(np.load(scan_dir / f"unit-{unit:05d}.npy"), start, valid_fraction, force))
+class UnitMasks:
+    """A unit's documents as `_decide` left them in `scan_dir`: `masks(i)` is (kept, held out) of its document
+    i, for i never decreasing, read `chunk_docs` at a time from the keep file and the hashes (the held-out split
+    is by hash, but for the one or two documents `force` moves to keep both sides of the split non-empty)."""
+
+    def __init__(self, scan_dir: str | Path, unit: int, start: int, valid_fraction: float, force: tuple[int, int],
+                 chunk_docs: int = UNIT_CHUNK_DOCS):
+        scan_dir = Path(scan_dir)
+        self.count = _npy_length(scan_dir / f"unit-{unit:05d}.keep.npy")
+        self.keeps = npy_chunks(scan_dir / f"unit-{unit:05d}.keep.npy", chunk_docs)
+        self.hashes = npy_chunks(scan_dir / f"unit-{unit:05d}.npy", chunk_docs)
+        self.start, self.valid_fraction, self.force = start, valid_fraction, force
+        self.low = self.high = 0  # the documents of the chunk in memory
+        self.keep = self.valid = np.zeros(0, bool)
+
+    def __call__(self, i: int) -> tuple[bool, bool]:
+        if i < self.low:
+            raise ValueError(f"document {i} comes before the ones read ({self.low})")
+        while i >= self.high:
+            self.keep, hashes = next(self.keeps), next(self.hashes)
+            self.valid = held_out_mask(hashes, self.start + self.high, self.valid_fraction, self.force)
+            self.low, self.high = self.high, self.high + len(self.keep)
+        return bool(self.keep[i - self.low]), bool(self.valid[i - self.low])
 
 
 def held_out_mask(hashes: np.ndarray, start: int, valid_fraction: float, force: tuple[int, int]) -> np.ndarray:
@@ -431,14 +496,16 @@ class _SortedIndices:
         self.file.close()
 
 
-def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket_docs: int = 0) -> Decision:
+def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket_docs: int = 0,
+            chunk_docs: int = UNIT_CHUNK_DOCS) -> Decision:
     """Which documents to keep (the first of each hash, in unit order) and which are held out (by hash), at
     least one document on each side of the split; duplicates. In memory bounded by a bucket, not the corpus:
     all hashes at once (8 bytes a document, about 40 at the peak of finding the first of each) were ~10 GB
     at 1 TB. The (hash, index) pairs go to buckets by their hashes' top bits, about `bucket_docs` each (a
     hash's copies all in one, a unit's own copies left out first); each bucket keeps the first of each of its
     hashes, their indices written in order; the units' keep masks are then merged from the buckets' sorted
-    indices, a unit at a time."""
+    indices. A unit is read and its keep mask written `chunk_docs` documents at a time (one gzip file is one
+    unit, of any size)."""
     counts = [_npy_length(scan_dir / f"unit-{u.index:05d}.npy") for u in units]
     starts = np.cumsum([0] + counts).tolist()
     total = starts[-1]
@@ -452,22 +519,23 @@ def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket
     files = [open(path, "wb") for path in pairs_paths]
     try:
         for u, start in zip(units, starts):
-            hashes = np.load(scan_dir / f"unit-{u.index:05d}.npy")
-            # a unit's own copies are duplicates already: one pair per hash and unit, so a text repeated
-            # millions of times (boilerplate) fills its bucket with one pair per unit at most
-            hashes, first = np.unique(hashes, return_index=True)
-            order = np.argsort(first)
-            pairs = np.empty(len(hashes), PAIR)
-            pairs["hash"], pairs["index"] = hashes[order], start + first[order]
-            hashes = pairs["hash"]
-            if not bits:
-                files[0].write(pairs.tobytes())
-                continue
-            bucket = (hashes >> np.uint64(64 - bits)).astype(np.int64)
-            order = np.argsort(bucket, kind="stable")  # a bucket's pairs stay in index order
-            bounds = np.searchsorted(bucket[order], np.arange((1 << bits) + 1))
-            for b in np.flatnonzero(np.diff(bounds)):
-                files[b].write(pairs[order[bounds[b]:bounds[b + 1]]].tobytes())
+            for hashes in npy_chunks(scan_dir / f"unit-{u.index:05d}.npy", chunk_docs):
+                first_index, start = start, start + len(hashes)
+                # a chunk's own copies are duplicates already: one pair per hash and chunk, so a text repeated
+                # millions of times (boilerplate) fills its bucket with one pair per chunk at most
+                hashes, first = np.unique(hashes, return_index=True)
+                order = np.argsort(first)
+                pairs = np.empty(len(hashes), PAIR)
+                pairs["hash"], pairs["index"] = hashes[order], first_index + first[order]
+                hashes = pairs["hash"]
+                if not bits:
+                    files[0].write(pairs.tobytes())
+                    continue
+                bucket = (hashes >> np.uint64(64 - bits)).astype(np.int64)
+                order = np.argsort(bucket, kind="stable")  # a bucket's pairs stay in index order
+                bounds = np.searchsorted(bucket[order], np.arange((1 << bits) + 1))
+                for b in np.flatnonzero(np.diff(bounds)):
+                    files[b].write(pairs[order[bounds[b]:bounds[b + 1]]].tobytes())
     finally:
         for f in files:
             f.close()
@@ -485,16 +553,19 @@ def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket
     decision = Decision(scan_dir, valid_fraction, total, starts[:-1], force, total - kept_total)
     readers = [_SortedIndices(path.with_suffix(".kept")) for path in pairs_paths]
     try:
-        for u, start, count in zip(units, starts, counts):
-            keep = np.zeros(count, dtype=bool)
-            for reader in readers:
-                keep[reader.below(start + count) - start] = True
-            with atomic_path(scan_dir / f"unit-{u.index:05d}.keep.npy") as tmp:
-                with open(tmp, "wb") as f:
-                    np.save(f, keep)
-            valid = held_out_mask(np.load(scan_dir / f"unit-{u.index:05d}.npy"), start, valid_fraction, force)
-            decision.kept.append(int(keep.sum()))
-            decision.held_out.append(int((keep & valid).sum()))
+        for u, start in zip(units, starts):
+            out, kept, held_out = NpyAppender(scan_dir / f"unit-{u.index:05d}.keep.npy", bool), 0, 0
+            for hashes in npy_chunks(scan_dir / f"unit-{u.index:05d}.npy", chunk_docs):
+                keep = np.zeros(len(hashes), dtype=bool)
+                for reader in readers:
+                    keep[reader.below(start + len(hashes)) - start] = True
+                valid = held_out_mask(hashes, start, valid_fraction, force)
+                out.append(keep)
+                kept, held_out = kept + int(keep.sum()), held_out + int((keep & valid).sum())
+                start += len(hashes)
+            out.close()
+            decision.kept.append(kept)
+            decision.held_out.append(held_out)
     finally:
         for reader in readers:
             reader.close()
@@ -536,8 +607,8 @@ def _train_tokenizer(scans, decision: Decision, config: RunConfig, staging: Path
     lines = []
     for unit, scan in enumerate(scans):
         if scan["sample"]:
-            keep, valid = decision.masks(unit)
-            lines += [text for i, _, text in scan["sample"] if keep[i] and not valid[i]]
+            masks = decision.masks(unit)  # the sample is in document order
+            lines += [text for i, _, text in scan["sample"] if masks(i) == (True, False)]
     source = hf.hf_dir(config.aux.source)
     if source is not None:  # the aux model's own tokenizer, renumbered by frequency in the sample
         log(f"corpus: the tokenizer of {source}, ordered on {len(lines)} sampled paragraphs")

@@ -533,7 +533,7 @@ def test_a_units_scan_keeps_a_few_bad_documents_messages_and_counts_them_all(tmp
     from corpus.build import KEPT_MESSAGES, scan_unit
     (tmp_path / "c.jsonl").write_text('{"text": "fine words"}\n' + '{"text": null}\n' * 50)
     (unit,) = work_units(source_files(str(tmp_path / "c.jsonl"), tmp_path), 1 << 20)
-    scan = scan_unit(unit, "text", 7, 0.2, 100, skip_bad=True)
+    scan = scan_unit(unit, str(tmp_path / "h.npy"), "text", 7, 0.2, 100, skip_bad=True)
     assert scan["skipped_count"] == 50 and len(scan["skipped"]) == KEPT_MESSAGES
     assert scan["skipped"][0] == f"{tmp_path / 'c.jsonl'}:2: 'text' is NoneType, not a string"
 
@@ -578,11 +578,12 @@ def test_the_tokenizer_sample_is_bounded_in_characters_as_well_as_lines(tmp_path
     from corpus.build import scan_unit
     write_text_corpus(tmp_path / "raw", num_docs=4, sentences=240)
     (unit,) = work_units(source_files(str(tmp_path / "raw"), tmp_path), 1 << 30)
-    free = scan_unit(unit, "text", 7, 0.2, 10_000)
-    bounded = scan_unit(unit, "text", 7, 0.2, 10_000, sample_bytes=5_000)
+    free = scan_unit(unit, str(tmp_path / "free.npy"), "text", 7, 0.2, 10_000)
+    bounded = scan_unit(unit, str(tmp_path / "bounded.npy"), "text", 7, 0.2, 10_000, sample_bytes=5_000)
     assert sum(len(t) for *_, t in free["sample"]) > 20_000
     assert 4_000 < sum(len(t) for *_, t in bounded["sample"]) <= 5_000
-    assert set(bounded["sample"]) <= set(free["sample"]) and np.array_equal(free["hashes"], bounded["hashes"])
+    assert set(bounded["sample"]) <= set(free["sample"])
+    assert np.array_equal(np.load(tmp_path / "free.npy"), np.load(tmp_path / "bounded.npy"))
 
 
 def test_the_tokenizer_learns_from_sample_lines_of_wide_characters(tmp_path):
@@ -733,10 +734,12 @@ def whole_corpus_rule(hashes: np.ndarray, valid_fraction: float) -> tuple[np.nda
 def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
     """`_decide` holds one bucket of hashes at a time (not the corpus: ~10 GB at 1 TB) and gives every unit the
     keep and held-out masks of the rule applied to all hashes at once: 40 units of 0 to 1,500 documents, a
-    third of them copies of earlier ones (in the same unit or another), with 1, 2, 64 and 256 buckets, at a
-    held-out fraction of 0.2, 0 (the least hash forced out) and 1 (the greatest forced in)."""
+    third of them copies of earlier ones (in the same unit or another), with 1, 2, 64 and 256 buckets, each unit
+    read in one chunk or in several (a chunk's copies of another chunk of its unit found as copies across units
+    are), at a held-out fraction of 0.2, 0 (the least hash forced out) and 1 (the greatest forced in); the masks
+    read back in chunks of other sizes."""
     from types import SimpleNamespace
-    from corpus.build import _decide
+    from corpus.build import UnitMasks, _decide
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 1500, 40)
     counts[[3, 17]] = 0
@@ -752,11 +755,15 @@ def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
         np.save(scan / f"unit-{u.index:05d}.npy", hashes[bounds[u.index]:bounds[u.index + 1]])
     for fraction in (0.2, 0.0, 1.0):
         keep, valid = whole_corpus_rule(hashes, fraction)
-        for bucket_docs in (1 << 22, len(hashes) // 2 + 1, len(hashes) // 64, 1):  # 1: capped at 256 buckets
-            decision = _decide(units, scan, fraction, bucket_docs=bucket_docs)
+        # bucket_docs 1: capped at 256 buckets
+        for bucket_docs, chunk_docs in ((1 << 22, 1 << 20), (len(hashes) // 2 + 1, 100), (len(hashes) // 64, 7),
+                                        (1, 1000)):
+            decision = _decide(units, scan, fraction, bucket_docs=bucket_docs, chunk_docs=chunk_docs)
             for u in units:
                 a, b = bounds[u.index], bounds[u.index + 1]
-                got_keep, got_valid = decision.masks(u.index)
+                masks = UnitMasks(scan, u.index, decision.starts[u.index], fraction, decision.force, chunk_docs=37)
+                got_keep, got_valid = np.array([masks(i) for i in range(b - a)], dtype=bool).reshape(-1, 2).T
+                assert masks.count == b - a
                 assert np.array_equal(got_keep, keep[a:b]) and np.array_equal(got_valid, valid[a:b])
             assert decision.duplicates == len(hashes) - keep.sum() > 0
             assert sum(decision.held_out) == (keep & valid).sum() and sum(decision.kept) == keep.sum()
@@ -859,3 +866,53 @@ def test_a_source_folder_is_read_through_its_links_and_what_it_leaves_out_is_sai
     build_corpus(config, config.corpus_dir, log=said.append)
     assert any("2 file(s) in" in line and "are left out: gone.txt (a link to nothing), more.jsonl.zst" in line
                for line in said), said
+
+
+def test_one_units_hashes_and_masks_are_written_and_read_a_chunk_at_a_time(tmp_path):
+    """One gzip file is one work unit however large: its scan writes the documents' hashes as it reads and a
+    pack reads its keep and held-out masks back a chunk at a time, so what either holds is a chunk's, not the
+    file's (the whole arrays were 8 bytes a document and more, 8 GB for a file of 1G short documents; the
+    whole job: `make bench-scale`, `corpus_documents_rss_4x_vs_1x`). Measured by tracemalloc's peak over 4x the
+    documents against 1x, chunks of 2,048 documents; the bytes are those of np.save of the whole array."""
+    import tracemalloc
+    from types import SimpleNamespace
+    from corpus.build import UnitMasks, _decide, scan_unit, valid_mask
+    from common.corpus import NpyAppender
+    peaks = {}
+    for times in (1, 4):
+        folder = tmp_path / f"{times}x"
+        (folder / "scan").mkdir(parents=True)
+        with gzip.open(folder / "docs.jsonl.gz", "wt") as f:
+            for i in range(20_000 * times):
+                f.write(json.dumps({"text": f"document {i % (7_000 * times)}, a few words long"}) + "\n")
+        (unit,) = work_units(source_files(str(folder / "docs.jsonl.gz"), tmp_path), 1 << 30)
+        hashes_path = folder / "scan" / "unit-00000.npy"
+        tracemalloc.start()
+        scan = scan_unit(unit, str(hashes_path), "text", 7, 0.1, 50, chunk_docs=2048)
+        scan_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        hashes = np.load(hashes_path)
+        assert len(hashes) == scan["documents"] == 20_000 * times
+        decision = _decide([SimpleNamespace(index=0)], folder / "scan", 0.1, chunk_docs=2048)
+        flags = np.zeros((len(range(0, len(hashes), 3)), 2), bool)
+        tracemalloc.start()
+        masks = UnitMasks(folder / "scan", 0, 0, 0.1, decision.force, chunk_docs=2048)
+        for k, i in enumerate(range(0, len(hashes), 3)):  # a pack's walk through its documents
+            flags[k] = masks(i)
+        masks_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        keep = np.zeros(len(hashes), bool)
+        keep[np.unique(hashes, return_index=True)[1]] = True  # the first of each text: 7,000 x times of them
+        assert keep.sum() == 7_000 * times and decision.kept == [7_000 * times]
+        assert np.array_equal(flags, np.stack([keep[::3], valid_mask(hashes, 0.1)[::3]], axis=1))
+        peaks[times] = (scan_peak, masks_peak)
+    assert peaks[4][0] / peaks[1][0] < 1.2, peaks  # before: hashes of every document in memory, 3.5x
+    assert peaks[4][1] / peaks[1][1] < 1.2, peaks  # before: the unit's keep, hashes and held-out masks whole
+    values = np.arange(5000, dtype=np.uint64) * 7919
+    out = NpyAppender(tmp_path / "a.npy", np.uint64)
+    for start in range(0, 5000, 1500):
+        out.append(values[start:start + 1500])
+    out.close()
+    buffer = io.BytesIO()
+    np.save(buffer, values)
+    assert (tmp_path / "a.npy").read_bytes() == buffer.getvalue() and not list(tmp_path.glob(".*tmp*"))
