@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from common.checkpoint import AUX_FILE, read_aux_meta
-from common.config import NOT_TRAJECTORY, NOT_TRAJECTORY_TRAIN, SCHEDULING_ONLY, RunConfig, config_to_dict, trajectory_config
+from common.config import (NOT_TRAJECTORY, NOT_TRAJECTORY_TRAIN, SCHEDULING_ONLY, RunConfig, TrainConfig,
+                           config_to_dict, trajectory_config)
 from common.corpus import load_corpus_meta
 from common.io import DamagedFile, sha256_file
 from common.sources import CorpusError
@@ -17,15 +18,24 @@ from common.sources import CorpusError
 
 def aux_run_config(config: RunConfig) -> RunConfig:
     """The trainer's config for the aux model: its depth, and [train] composed from [aux] (batch,
-    micro-batch, steps, lr, warm-up, intervals) with the main model's optimizer settings (betas, eps,
-    weight decay, clipping, the position bias's lr multiplier) and no embedding multiplier (the MLM
-    output layer is tied to the embeddings). Initialised from the run's seed."""
-    a = config.aux
-    train = dataclasses.replace(config.train, objective="mlm", batch_size=a.batch_size, micro_batch=a.micro_batch,
-                                lr=a.lr, warmup_steps=a.warmup_steps, max_steps=a.steps, embed_lr_scale=1.0,
+    micro-batch, steps, lr, warm-up, intervals) with the paper's optimizer settings (`TrainConfig`'s
+    defaults: betas, eps, weight decay, clipping, no multiplier of the position bias's or the embeddings'
+    lr), never the main run's: a search over the main model's [train] keeps the aux model and the shards it
+    made. Of the main [train] only how the trainer runs (compile, attention, checkpoints kept, the
+    non-finite stop, TensorBoard), which `run_key` leaves out. Initialised from the run's seed."""
+    a, t = config.aux, config.train
+    train = dataclasses.replace(TrainConfig(), objective="mlm", batch_size=a.batch_size, micro_batch=a.micro_batch,
+                                lr=a.lr, warmup_steps=a.warmup_steps, max_steps=a.steps,
                                 eval_every=a.eval_every, log_every=a.log_every, ckpt_every=a.ckpt_every,
-                                allow_short_stream=False, verify_shards=False, seed=config.seed)
+                                seed=config.seed, compile=t.compile, attention=t.attention,
+                                keep_checkpoints=t.keep_checkpoints, max_nonfinite_steps=t.max_nonfinite_steps,
+                                tensorboard=t.tensorboard)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=a.num_layers), train=train)
+
+
+# The main [train]'s execution choices that the aux run follows: left out of its key (their defaults put in their
+# place), so that choosing another attention or compiling the main run does not make a new aux model.
+RUN_ONLY = ("compile", "attention")
 
 
 def run_key(config: RunConfig, corpus_dir: Path, legacy: bool = False) -> str:
@@ -36,6 +46,7 @@ def run_key(config: RunConfig, corpus_dir: Path, legacy: bool = False) -> str:
     meta = load_corpus_meta(corpus_dir)
     parts = [p["sha256"] for split in ("train", "valid") for p in meta[split]["parts"]]
     data = config_to_dict(aux_run_config(config))
+    data["train"].update({k: getattr(TrainConfig(), k) for k in RUN_ONLY})
     if legacy:
         trajectory = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
         trajectory["train"] = {k: v for k, v in data["train"].items() if k not in NOT_TRAJECTORY_TRAIN}

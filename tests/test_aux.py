@@ -289,14 +289,18 @@ def test_the_mlm_update_never_counts_masked_positions_on_the_device(built):
     assert torch.equal(loss_a, loss_b) and hits_a == hits_b and all(map(torch.equal, grads_a, grads_b))
 
 
-def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_weight_change(built, tmp_path):
-    """Every ablation edits [generate] and shares one aux model; the aux run's intervals and the RTD loss's
-    weight do not change its updates: none of them may start a fresh aux run (for base, 125K updates)."""
+def test_the_aux_model_stays_current_when_only_generation_logging_or_the_main_runs_training_change(built, tmp_path):
+    """Every ablation edits [generate] and shares one aux model; the aux run's intervals, the RTD loss's weight
+    and the main run's own [train] (its optimizer settings, a hyper-parameter search's; how it runs: compile,
+    attention) do not change the aux run's updates: none of them may start a fresh aux run (for base, 125K
+    updates) and leave the shards it made behind."""
     from common.aux_record import aux_is_current
     edited = dataclasses.replace(
         built, generate=dataclasses.replace(built.generate, t0=3.0, schedule="constant", zstd_level=3, epochs=5),
         aux=dataclasses.replace(built.aux, eval_every=1, log_every=1, ckpt_every=3),
-        train=dataclasses.replace(built.train, electra_lambda=7.0))
+        train=dataclasses.replace(built.train, electra_lambda=7.0, clip_norm=0.5, weight_decay=0.1, betas=[0.9, 0.999],
+                                  eps=1e-8, rel_bias_lr_scale=10.0, embed_lr_scale=2.0, lr=3e-3, compile="off",
+                                  attention="sdpa"))
     assert aux_is_current(edited, built.corpus_dir, built.aux_dir)
     # an aux model published before the key left these out (aux.json's key by the former formula) stays current
     import shutil
@@ -314,7 +318,7 @@ def test_the_aux_model_stays_current_when_only_generation_logging_or_the_rtd_wei
     assert not aux_is_current(built, built.corpus_dir, old)
     for changed in (dataclasses.replace(built, aux=dataclasses.replace(built.aux, lr=1e-3)),
                     dataclasses.replace(built, seed=built.seed + 1),
-                    dataclasses.replace(built, train=dataclasses.replace(built.train, clip_norm=0.5))):
+                    dataclasses.replace(built, aux=dataclasses.replace(built.aux, warmup_steps=built.aux.warmup_steps + 1))):
         assert not aux_is_current(changed, built.corpus_dir, built.aux_dir)
 
 
