@@ -1,7 +1,9 @@
 """Starting Ray the same way for every stage that uses it (corpus, generate)."""
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 
 class ActorDied(RuntimeError):
@@ -30,9 +32,34 @@ def start_ray(address: str | None, workers: int, env_names: tuple[str, ...] = ()
 
 
 def default_workers() -> int:
-    """One worker per GPU, else one per core."""
+    """One worker per GPU, else one per core this process may use (`available_cpus`)."""
     import torch
-    return torch.cuda.device_count() or os.cpu_count() or 1
+    return torch.cuda.device_count() or available_cpus()
+
+
+# cgroup v2's quota file, then v1's pair: a container's CPU limit (`docker run --cpus 8` on a 128-core host)
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def available_cpus() -> int:
+    """The cores this process may use: its CPU affinity (a cpuset, `taskset`), at most its cgroup's quota
+    rounded up. `os.cpu_count()` counts the host's: a container limited to 8 of 128 cores started 128
+    workers, each importing torch (about 250 MB) before any work."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = None
+    try:
+        limit, period = Path(CGROUP_CPU_MAX).read_text().split()[:2]
+        quota = None if limit == "max" else int(limit) / int(period)
+    except (OSError, ValueError):
+        try:
+            limit, period = (int(Path(name).read_text()) for name in CGROUP_V1_QUOTA)
+            quota = limit / period if limit > 0 else None
+        except (OSError, ValueError, ZeroDivisionError):
+            pass
+    if quota is not None and quota > 0:
+        count = min(count, math.ceil(quota))
+    return max(1, count)
 
 
 def cluster_size(address: str | None, resource: str) -> int:

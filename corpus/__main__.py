@@ -11,7 +11,7 @@ import sys
 
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.io import DamagedFile, DiskFull, FolderLocked, upload_folder
-from common.parallel import NodeProblem
+from common.parallel import NodeProblem, available_cpus
 from common.corpus import CORPUS_META
 from common.sources import CorpusError
 from common.storage import cache_folder, is_remote, location
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         if args.workers is not None and args.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
         # joining a cluster: its cores, counted once Ray is up (0 here)
-        workers = args.workers if args.workers is not None else 0 if args.address else os.cpu_count() or 1
+        workers = args.workers if args.workers is not None else 0 if args.address else available_cpus()
         out = location(args.out) if args.out else config.corpus_dir
         if not args.force and corpus_is_current(config, out, config.corpus.source):
             print(f"corpus: {out} is up to date")

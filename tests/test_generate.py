@@ -411,3 +411,31 @@ def test_the_manifests_own_aux_model_made_by_other_aux_settings_is_refused(built
                    f"source (trained here): `make aux` (python -m auxiliary) makes it, or name an aux model with "
                    f"--aux\n"), err
     assert not out.exists()
+
+
+def test_workers_default_to_the_cores_this_process_may_use_not_the_hosts(tmp_path, monkeypatch):
+    """A container limited to 8 of a host's 128 cores (its cpuset, or its cgroup's quota: `docker run --cpus`)
+    starts 8 workers of the corpus and of a CPU generation, not 128 of about 250 MB each."""
+    from common import parallel
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(parallel, "CGROUP_V1_QUOTA", (str(tmp_path / "none"), str(tmp_path / "none")))
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(parallel, "CGROUP_CPU_MAX", str(cpu_max))
+    assert parallel.available_cpus() == 16  # no quota file: the affinity
+    cpu_max.write_text("max 100000\n")
+    assert parallel.available_cpus() == 16
+    cpu_max.write_text("750000 100000\n")  # 7.5 cores: 8 workers
+    assert parallel.available_cpus() == 8
+    cpu_max.write_text("5000 100000\n")
+    assert parallel.available_cpus() == 1
+    cpu_max.unlink()
+    quota, period = tmp_path / "quota", tmp_path / "period"
+    monkeypatch.setattr(parallel, "CGROUP_V1_QUOTA", (str(quota), str(period)))
+    quota.write_text("400000\n")
+    period.write_text("100000\n")
+    assert parallel.available_cpus() == 4  # cgroup v1
+    quota.write_text("-1\n")
+    assert parallel.available_cpus() == 16
+    if not __import__("torch").cuda.is_available():
+        assert parallel.default_workers() == 16
