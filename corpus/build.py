@@ -41,6 +41,7 @@ from common.sources import (SUFFIXES, CorpusError, SourceFile, SourceUnreadable,
                             document_hash, paragraphs,
                             read_unit, source_files, work_units)
 from common import hf
+from common.parallel import NodeProblem
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
 
 SPLITS = ("train", "valid")
@@ -330,8 +331,21 @@ def _write_names(writer, names: list) -> None:
 
 # --- the driver ---------------------------------------------------------------
 
+def _on_node(fn, staging: str, unit: WorkUnit, *args):
+    """`fn(unit, *args)` in a Ray worker, once it sees the build's staging folder, which it reads and writes
+    (the scan's hashes, the decision's masks, the tokenizer, the parts): on a node that does not, one line
+    naming the node and the folder, not a FileNotFoundError after the scan pass."""
+    if not (Path(staging) / "key.json").is_file():
+        import socket
+        raise NodeProblem(f"the corpus build's staging folder {staging} is not there as seen from Ray node "
+                          f"{socket.gethostname()}: every node must see it at the same path (a shared file system). "
+                          f"With an object-storage --out the build is staged in the driver's cache: set "
+                          f"FAST_ELECTRA_CACHE to a folder all nodes share, or build on one machine (no --address)")
+    return fn(unit, *args)
+
+
 def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: str | None, desc: str,
-                on_result) -> None:
+                on_result, staging: Path) -> None:
     """`fn(unit, *args)` for every job on Ray workers, results handed to `on_result` as they finish;
     a progress bar in MB/s with an ETA. One local worker runs the jobs in this process: the same
     functions and bytes, without Ray's start-up."""
@@ -347,7 +361,7 @@ def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: s
                 bar.update(unit.bytes)
         return
     start_ray(address, workers, (SLOW_ENV,))
-    remote = ray.remote(num_cpus=1, max_retries=2)(fn)
+    remote = ray.remote(num_cpus=1, max_retries=2)(_on_node)
     # Two jobs per worker in flight, the next submitted as one finishes: every unit at once (15,000 at 1 TB)
     # held all their references in the driver, and each wait scanned them all (quadratic in the units).
     queue, pending = deque(jobs), {}
@@ -356,14 +370,14 @@ def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: s
         while queue or pending:
             while queue and len(pending) < 2 * workers:
                 unit, args = queue.popleft()
-                pending[remote.remote(unit, *args)] = unit
+                pending[remote.remote(fn, str(staging), unit, *args)] = unit
             done, _ = ray.wait(list(pending), num_returns=1)
             unit = pending.pop(done[0])
             try:
                 result = ray.get(done[0])
             except ray.exceptions.RayTaskError as e:  # the worker's own error, without Ray's traceback
                 cause = getattr(e, "cause", None)
-                if isinstance(cause, CorpusError):
+                if isinstance(cause, (CorpusError, NodeProblem)):
                     raise type(cause)(str(cause)) from None
                 if isinstance(cause, OSError):  # a full disk among them: `_build` says so
                     raise cause from None
@@ -406,7 +420,7 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
     jobs = [(u, (str(paths[u.index].with_suffix(".npy")), cfg.text_column, config.seed, cfg.valid_fraction,
                  math.ceil(lines * u.bytes / total_bytes), skip, budget * u.bytes / total_bytes)) for u in todo]
     log(f"corpus: scanning {len(todo)} of {len(units)} units (hashes, split, tokenizer sample)")
-    _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save)
+    _run_on_ray(scan_unit, jobs, workers, address, "corpus scan", save, staging)
     # the units' samples (bounded in all) and bad documents; their hashes stay in their files (`_decide`)
     scans = [json.loads(paths[u.index].with_suffix(".json").read_text()) for u in units]
     skipped = sum(s["skipped_count"] for s in scans)
@@ -774,7 +788,7 @@ def _pack_and_publish(config, source, files, units, decision: Decision, tok, sta
     log(f"corpus: packing {len(jobs)} of {len(units)} units ({len(units) - len(jobs)} already done)")
     packed_now = set()
     _run_on_ray(pack_unit, jobs, workers, address, "corpus pack",
-                lambda result: (record(result), packed_now.add(result["unit"])))
+                lambda result: (record(result), packed_now.add(result["unit"])), staging)
     seconds["pack"] = time.time() - t_start - sum(seconds.values())
     encode_s = sum(done[u].get("encode_s", 0.0) for u in packed_now)
 

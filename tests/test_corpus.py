@@ -916,3 +916,30 @@ def test_one_units_hashes_and_masks_are_written_and_read_a_chunk_at_a_time(tmp_p
     buffer = io.BytesIO()
     np.save(buffer, values)
     assert (tmp_path / "a.npy").read_bytes() == buffer.getvalue() and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_a_ray_worker_that_does_not_see_the_staging_folder_stops_the_pass_with_one_line(tmp_path):
+    """On a cluster every node reads and writes the build's staging folder (an object-storage --out stages it in
+    the driver's cache): a worker that does not see it says so, naming its node and the folder, at its first
+    unit, not with a FileNotFoundError after the whole scan pass."""
+    import ray
+    from common.parallel import NodeProblem
+    from corpus.build import _run_on_ray, scan_unit
+    write_text_corpus(tmp_path / "raw", num_docs=3)
+    units = work_units(source_files(str(tmp_path / "raw"), tmp_path), 1 << 10)
+    staging = tmp_path / ".corpus.staging"  # as the driver's machine has it; this worker sees no key.json there
+    (staging / "scan").mkdir(parents=True)
+    jobs = [(u, (str(staging / "scan" / f"unit-{u.index:05d}.npy"), "text", 7, 0.2, 10)) for u in units]
+    try:
+        with pytest.raises(NodeProblem, match=r"staging folder .*\.corpus\.staging is not there as seen from Ray node "):
+            _run_on_ray(scan_unit, jobs, 2, None, "corpus scan", lambda result: None, staging)
+    finally:
+        ray.shutdown()
+    assert not list((staging / "scan").iterdir())  # no unit scanned
+    (staging / "key.json").write_text("{}")
+    results = []
+    try:
+        _run_on_ray(scan_unit, jobs, 2, None, "corpus scan", results.append, staging)
+    finally:
+        ray.shutdown()
+    assert sorted(r["unit"] for r in results) == [u.index for u in units]
