@@ -399,7 +399,9 @@ def _read_jsonl(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
 def _read_parquet(piece: Piece, text_column: str) -> Iterator[Document]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    parquet = pq.ParquetFile(piece.file.path)
+    # a buffered stream of its pages: pyarrow's default pre-buffers a row group's whole column chunk, and a unit
+    # never splits a row group (pandas writes up to 1M rows to one: gigabytes of text held at once)
+    parquet = pq.ParquetFile(piece.file.path, pre_buffer=False, buffer_size=1 << 20)
     if text_column not in parquet.schema_arrow.names:
         raise CorpusError(f"{piece.file.path} has no column {text_column!r}; columns: "
                           f"{', '.join(parquet.schema_arrow.names)}")
