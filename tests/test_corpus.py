@@ -941,16 +941,13 @@ def test_a_ray_worker_that_does_not_see_the_staging_folder_stops_the_pass_with_o
     staging = tmp_path / ".corpus.staging"  # as the driver's machine has it; this worker sees no key.json there
     (staging / "scan").mkdir(parents=True)
     jobs = [(u, (str(staging / "scan" / f"unit-{u.index:05d}.npy"), "text", 7, 0.2, 10)) for u in units]
+    results = []
     try:
         with pytest.raises(NodeProblem, match=r"staging folder .*\.corpus\.staging is not there as seen from Ray node "):
             _run_on_ray(scan_unit, jobs, 2, None, "corpus scan", lambda result: None, staging)
-    finally:
-        ray.shutdown()
-    assert not list((staging / "scan").iterdir())  # no unit scanned
-    (staging / "key.json").write_text("{}")
-    results = []
-    try:
-        _run_on_ray(scan_unit, jobs, 2, None, "corpus scan", results.append, staging)
+        assert not list((staging / "scan").iterdir())  # no unit scanned
+        (staging / "key.json").write_text("{}")
+        _run_on_ray(scan_unit, jobs, 2, None, "corpus scan", results.append, staging)  # the same Ray, seen now
     finally:
         ray.shutdown()
     assert sorted(r["unit"] for r in results) == [u.index for u in units]
