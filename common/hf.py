@@ -42,6 +42,8 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spm.model", "se
 # files, the encoder being common/model.py itself. Such a directory is loaded with trust_remote_code only when
 # its code is byte for byte this repository's (`own_remote_code`): no code from elsewhere ever runs.
 OWN_MODEL_TYPE = "fast-electra"
+# the masked LMs whose head `HFMaskedLM` runs as the model itself does (tests/test_hf.py builds each)
+SUPPORTED_FAMILIES = ("BERT", "ELECTRA (its generator)", "RoBERTa", "DeBERTa-v2 / v3", "fast-electra exports")
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_CODE = {"configuration_fast_electra.py": REMOTE_DIR / "configuration_fast_electra.py",
                "modeling_fast_electra.py": REMOTE_DIR / "modeling_fast_electra.py",
@@ -193,6 +195,13 @@ def tokenizer_sha256(folder: Path) -> str:
     return files_sha256(folder, {p.name for p in folder.iterdir() if p.suffix not in WEIGHT_SUFFIXES})
 
 
+def encode_text(tok, texts: list[str]) -> list[list[int]]:
+    """The tokenizer's ids of corpus texts, no specials added; a special token written in the text ("[SEP]",
+    "<s>", "[MASK]") is spelled out as text, never read as that token: rows hold specials only where the
+    corpus stage puts them (a literal "[SEP]" mid-row would end a sentence where the text has none)."""
+    return tok(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def build_tokenizer(source: Path, lines: list[str], out_dir: Path, meta_file: str) -> None:
     """The corpus stage's tokenizer step for an hf: aux model: copy its tokenizer into `out_dir`, count its
     pieces on the corpus sample, write our id order (`meta_file`, beside the SentencePiece one's name)."""
@@ -203,7 +212,7 @@ def build_tokenizer(source: Path, lines: list[str], out_dir: Path, meta_file: st
     size = len(tok)
     counts = np.zeros(size, dtype=np.int64)
     for start in range(0, len(lines), 1024):
-        for ids in tok(lines[start:start + 1024], add_special_tokens=False)["input_ids"]:
+        for ids in encode_text(tok, lines[start:start + 1024]):
             counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=size)[:size]
     # specials first, reserved last, each placed by hand in its own order; the rest by count, ties by their id.
     # (The reserved block last, not right after the specials: bert-base's 994 [unusedN] there would start the
@@ -244,7 +253,7 @@ class HFTokenizer:
         return self.tok.convert_ids_to_tokens(int(self.hf_of[idx]))
 
     def encode_native(self, texts: list[str]) -> list[list[int]]:
-        return self.tok(texts, add_special_tokens=False)["input_ids"]
+        return encode_text(self.tok, texts)
 
     def to_ours(self, pieces: list[list[int]]) -> np.ndarray:
         flat = np.fromiter((i for ids in pieces for i in ids), dtype=np.int64)
@@ -276,16 +285,17 @@ def load_masked_lm(path: Path):
     tf = transformers()
     if not (path / "config.json").is_file():
         raise HFError(f"{path} has no config.json: not a Hugging Face model directory")
-    trust = own_remote_code(path)
+    # a tensor whose shape is not the config's is reported (mismatched_keys), not raised: transformers' own
+    # error says "look at the above report", a report the silenced logging never shows
+    options = dict(local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True,
+                   trust_remote_code=own_remote_code(path))
     try:
-        model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True,
-                                                               output_loading_info=True, trust_remote_code=trust)
+        model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), **options)
         if (model.config.model_type == "deberta-v2" and getattr(model.config, "legacy", False)
                 and any(k.startswith("lm_predictions.") for k in info["unexpected_keys"])):
             # the original DeBERTa releases' head layout (lm_predictions.*), which transformers reads only
             # with legacy = False; a config without the key defaults to the cls.* layout and drops the head
-            model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True, legacy=False,
-                                                                   output_loading_info=True, trust_remote_code=trust)
+            model, info = tf.AutoModelForMaskedLM.from_pretrained(str(path), legacy=False, **options)
     except (OSError, ValueError, KeyError) as e:
         raise HFError(f"{path} holds no masked LM transformers can load ({str(e).splitlines()[0][:200]})") from None
     except Exception as e:  # noqa: BLE001 - e.g. safetensors' own error for a damaged weights file
@@ -293,11 +303,25 @@ def load_masked_lm(path: Path):
             raise
         raise HFError(f"{path}: its weights do not load ({type(e).__name__}: "
                       f"{str(e).splitlines()[0][:200] if str(e) else '?'})") from None
+    mismatched = sorted(info.get("mismatched_keys") or [])  # (name, shape in the weights, shape of the config)
+    if mismatched:
+        name, saved, expected = mismatched[0]
+        raise HFError(f"{path / 'config.json'} does not describe the weights in {path}: {name} is "
+                      f"{list(saved)} there, the config makes it {list(expected)}"
+                      f"{f' (and {len(mismatched) - 1} more)' if len(mismatched) > 1 else ''}; "
+                      f"the config.json is another model's (vocab_size?)")
     base = model.base_model_prefix
-    missing = sorted(k for k in info["missing_keys"] if not k.startswith(base + "."))
-    if missing:
-        raise HFError(f"{path} has no masked-LM head ({model.config.architectures or '?'}; missing {missing[:3]}): "
+    missing = sorted(info["missing_keys"])
+    head = [k for k in missing if not k.startswith(base + ".")]
+    if head:
+        raise HFError(f"{path} has no masked-LM head ({model.config.architectures or '?'}; missing {head[:3]}): "
                       f"the auxiliary model must predict tokens, e.g. a *ForMaskedLM directory")
+    if missing:
+        # transformers leaves out of missing_keys what a model may lack (tied and non-persistent tensors): what
+        # is left would be random values, e.g. the layers of a config.json with more layers than the weights
+        raise HFError(f"{path}: its weights lack {len(missing)} tensor(s) of the model its config.json describes "
+                      f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): the weights are cut short "
+                      f"or the config.json is another model's (num_hidden_layers?); refusing random values")
     return model
 
 
@@ -311,16 +335,44 @@ class HFMaskedLM(nn.Module):
         self.head = [child for name, child in self.model.named_children() if name != self.model.base_model_prefix]
         # DeBERTa's lm_predictions head takes the word embeddings it is tied to as an argument
         self.head_takes_embeddings = ["word_embeddings" in inspect.signature(m.forward).parameters for m in self.head]
-        with torch.no_grad():  # the logits' width, whatever module the family calls its output embeddings
-            probe = torch.zeros(1, self.model.config.hidden_size, dtype=self.model.get_input_embeddings().weight.dtype)
-            width = self._head(probe).shape[-1]
+        self.token_types = "token_type_ids" in input_names and getattr(self.model.config, "type_vocab_size", 0) > 0
+        width = self._check_head(path)
         rows = min(width, self.model.get_input_embeddings().weight.shape[0])
         if len(hf_of) and int(np.max(hf_of)) >= rows:  # an index error deep in the generator else
             raise HFError(f"{path}: its tokenizer has ids up to {int(np.max(hf_of))}, but the model's vocabulary has "
                           f"{rows} entries: the tokenizer is not this model's")
         self.register_buffer("hf_of", torch.as_tensor(hf_of, dtype=torch.long), persistent=False)
-        self.token_types = "token_type_ids" in input_names and getattr(self.model.config, "type_vocab_size", 0) > 0
         self.max_positions = max_positions(self.model.config)
+
+    def _check_head(self, path: Path) -> int:
+        """The base model then `_head` (what `forward` runs) against the model's own `model(...).logits` on a
+        probe row: equal within rounding, or the family is refused (its head is not its other children run
+        in order: DistilBERT's holds its loss module, XLM's is called otherwise). Returns the logits' width."""
+        config, weights = self.model.config, self.model.get_input_embeddings().weight
+        ids = torch.randint(0, weights.shape[0], (1, 8), generator=torch.Generator().manual_seed(0))
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.token_types:
+            kwargs["token_type_ids"] = torch.zeros_like(ids)
+        training = self.model.training
+        self.model.eval()  # no dropout: the two paths see the same values
+        try:
+            with torch.no_grad():
+                theirs = self.model(**kwargs).logits[0].float()
+                ours = self._head(self.model.base_model(**kwargs)[0][0]).float()
+        except Exception as e:  # noqa: BLE001 - any failure of the head path: a family this class does not know
+            problem = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else '?'}"
+        else:
+            # fp32 differs by rounding (the head on 8 rows, not on a batch of one); half precision by its own eps
+            tolerance = max(1e-4, 64 * torch.finfo(weights.dtype).eps) * max(1.0, float(theirs.abs().max()))
+            if ours.shape == theirs.shape and float((ours - theirs).abs().max()) <= tolerance:
+                return ours.shape[-1]
+            problem = (f"its head's logits differ from the model's own: shape {list(ours.shape)} vs "
+                       f"{list(theirs.shape)}" + (f", max |difference| {float((ours - theirs).abs().max()):.3g}"
+                                                   if ours.shape == theirs.shape else ""))
+        finally:
+            self.model.train(training)
+        raise HFError(f"{path}: model_type {config.model_type!r} ({', '.join(config.architectures or ['?'])}) is not "
+                      f"supported as an auxiliary model ({problem}); supported: {', '.join(SUPPORTED_FAMILIES)}")
 
     def forward(self, input_ids, attention_mask, masked_positions) -> torch.Tensor:
         return self.logits(self.masked_hidden(input_ids, attention_mask, masked_positions))

@@ -76,8 +76,10 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
         if not source.is_dir():
             raise CorpusError(f"[aux] source = {config.aux.source!r}: {source} is not a folder (a Hugging Face "
                               f"model directory: config, weights, tokenizer)")
+        # split_special_tokens: a "[SEP]" written in the text is spelled out (hf.encode_text), where corpora
+        # built before read it as the special token: their bytes differ, so they are rebuilt
         blob["tokenizer"] = {"hf": hf.tokenizer_sha256(source), "max_sentences": config.tokenizer.max_sentences,
-                             "max_sample_mb": config.tokenizer.max_sample_mb}
+                             "max_sample_mb": config.tokenizer.max_sample_mb, "split_special_tokens": True}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 

@@ -40,11 +40,13 @@ print(model(**batch).logits.shape)
 def _tokenizer_lines(tok: dict) -> list[str]:
     if tok["kind"] == "hf":
         return [f"- Tokenizer: the Hugging Face tokenizer of the auxiliary model `{tok['source']}` ({tok['class']}, "
-                f"{tok['size']:,} entries), its files copied unchanged; the embedding rows are in its native ids."]
+                f"{tok['size']:,} entries), its files copied unchanged but for `model_max_length` (the rows "
+                f"trained on); the embedding rows are in its native ids."]
     return [f"- Tokenizer: the project's cased SentencePiece BPE ({tok['size']:,} pieces, byte fallback) as a "
             f"`tokenizers` BPE in the model's ids (`tokenizer.json`); `tokenizer(text)` gives "
-            f"`[CLS] ... [SEP]`. A literal special token in the text (`[MASK]`, `[CLS]`) is read as that token, "
-            f"where SentencePiece would keep a `▁` before `[MASK]` and spell `[CLS]` out."]
+            f"`[CLS] ... [SEP]`. A `[MASK]` written in the text is the mask token, tokenized as SentencePiece does "
+            f"(a space before it becomes a `▁` piece of its own; a text of `[MASK]` alone gets no `▁`); a written "
+            f"`[CLS]`, `[SEP]`, `[PAD]` or `[UNK]` is read as that token, where SentencePiece spelled it out."]
 
 
 def card_title(trained) -> str:

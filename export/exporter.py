@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,7 +282,7 @@ def check_tokenizer(trained: Trained, folder: Path, transformers, num_rows: int 
     """The exported tokenizer against ours on the text of held-out corpus rows (decoded): the same ids, or
     an error quoting the first text that differs. Returns the number of texts compared."""
     if native_order(trained.tokenizer) is not None:
-        return 0  # an hf: tokenizer's own files, copied unchanged
+        return 0  # an hf: tokenizer's own files, copied (its model_max_length aside) unchanged
     rows = SplitRows(Path(trained.facts["corpus_dir"]), "valid")
     fast = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=True)
     texts = [trained.tokenizer.decode(rows[i][1:-1]) for i in range(min(num_rows, len(rows)))]
@@ -327,6 +328,15 @@ def check_output(out: Path, force: bool) -> None:
             # --force replaces an earlier export only: a mistyped --out (a run, a home folder) is never deleted
             raise ExportError(f"output folder {out} is not empty and holds no config.json: not a model directory, "
                               f"which is all --force replaces; choose another --out")
+        try:
+            model_type = json.loads((out / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        if model_type != hf.OWN_MODEL_TYPE:
+            # nor another model directory (a downloaded BERT, an hf: aux model): only an earlier export of ours
+            raise ExportError(f"output folder {out} holds a model directory that is not an export of this project "
+                              f"(its config.json's model_type is {model_type!r}, not {hf.OWN_MODEL_TYPE!r}): --force "
+                              f"replaces only an earlier export; choose another --out")
 
 
 def check_sources_outside(trained: Trained, out: Path) -> None:
@@ -362,11 +372,20 @@ def export(trained: Trained, out: Path, force: bool = False, log=print) -> Path:
     return out
 
 
+def process_umask() -> int:
+    """The process's umask (read by setting it, then setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def build(trained: Trained, staging: Path, out: Path, transformers) -> str:
     """Every file of the export to `out`, in `staging`, checked against our model; returns a one-line description."""
     from safetensors.torch import save_file
     tensors, vocab, pad = hf_weights(trained)
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes its file 0600; the export's other files are the process's default (0644 under umask 022)
+    (staging / "model.safetensors").chmod(0o666 & ~process_umask())
     config = write_config(trained, vocab, pad, staging)
     copy_remote_code(staging)
     tokenizer_facts = write_tokenizer(trained.tokenizer, staging, trained.max_seq_len)

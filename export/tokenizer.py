@@ -15,13 +15,20 @@ how it is reproduced:
 - pieces never contain "▁" after their first character (SentencePiece trains with
   split_by_whitespace), so splitting at "▁" first (`Metaspace`) changes nothing and lets the BPE
   cache work per word;
-- characters outside the vocabulary -> their UTF-8 bytes as <0xXX> pieces (byte_fallback).
+- characters outside the vocabulary -> their UTF-8 bytes as <0xXX> pieces (byte_fallback);
+- [MASK], a user-defined symbol, is found anywhere in the normalized text (a space before it is a
+  "▁" piece of its own) -> an added token matched after normalization; a text of "[MASK]" alone is
+  the one difference (SentencePiece: "▁" "[MASK]"; this: "[MASK]"). [CLS] [SEP] [PAD] [UNK] are
+  control symbols SentencePiece spells out when written in the text; transformers reads its special
+  tokens in any text, so there they are those tokens (the model card says both).
 
 A tokenizer built from an `hf:` aux model (common/hf.py) is that model's own: its saved files are
-copied unchanged and the exported embedding rows are put back in its native id order instead.
+copied (unchanged but for tokenizer_config.json's model_max_length, the rows the model was trained
+on) and the exported embedding rows are put back in its native id order instead.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -77,7 +84,7 @@ def vocab_and_merges(proto, ours_of: np.ndarray) -> tuple[dict[str, int], list[t
 
 def sentencepiece_fast_tokenizer(model_path: Path, sp_of: np.ndarray, max_length: int):
     """A `PreTrainedTokenizerFast` over our SentencePiece model, in our ids, adding [CLS] ... [SEP]."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     proto = read_model_proto(model_path)
     check_reproducible(proto, model_path)
@@ -91,7 +98,10 @@ def sentencepiece_fast_tokenizer(model_path: Path, sp_of: np.ndarray, max_length
         normalizers.Replace(Regex(r"\A +| +\z"), ""),  # remove_extra_whitespaces: the text's ends (^ / $ match
                                                    # at every line in Oniguruma) ...
         normalizers.Replace(Regex(" {2,}"), " "),    # ... and runs of spaces inside
-        normalizers.Prepend(SPACE),                  # add_dummy_prefix (an empty text stays empty)
+        # add_dummy_prefix (an empty text stays empty). Not Prepend: [MASK] is matched in the normalized text
+        # (below) as its content normalized, which must stay "[MASK]", so a text that is "[MASK]" alone is left
+        # as it is (SentencePiece gives "▁" "[MASK]" there, this the [MASK] token alone: the one difference)
+        normalizers.Replace(Regex(r"\A(?!\[MASK\]\z|\z)"), SPACE),
         normalizers.Replace(" ", SPACE),             # escape_whitespaces
     ])
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never", split=True)
@@ -100,16 +110,36 @@ def sentencepiece_fast_tokenizer(model_path: Path, sp_of: np.ndarray, max_length
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", CLS_ID), ("[SEP]", SEP_ID)])
+    # [MASK] is a user-defined symbol of SentencePiece: found in the text after its normalization, so the space
+    # before it is a "▁" piece and the text after it gets no "▁" of its own; an added token that is not
+    # normalized splits the text first, and each part would be normalized (given a dummy prefix) alone
+    mask = AddedToken("[MASK]", normalized=True, special=True)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_length,
+                                   sep_token="[SEP]", mask_token=mask, model_max_length=max_length,
                                    model_input_names=["input_ids", "attention_mask"])
+
+
+def set_model_max_length(path: Path, max_length: int) -> None:
+    """`model_max_length` in a copied tokenizer_config.json made the rows the model was trained on: the
+    source's (512 for a BERT) would let `truncation=True` pass rows longer than the export ever saw."""
+    if not path.is_file():  # save_pretrained (common/hf.py build_tokenizer) always writes one
+        return
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        raise TokenizerExportError(f"{path} is not valid JSON; rebuild the corpus's tokenizer (make corpus)") from None
+    config["model_max_length"] = max_length
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def write_tokenizer(tokenizer, out_dir: Path, max_length: int) -> dict:
     """Tokenizer files for `out_dir`: ours converted, an hf: one's copied. Returns what the card says."""
     from common.hf import REMOTE_CODE, WEIGHT_SUFFIXES, HFTokenizer
-    if isinstance(tokenizer, HFTokenizer):  # its own files, byte for byte (HFTokenizer checked their hash)
-        files = sorted(p for p in tokenizer.path.iterdir() if p.is_file())
+    from common.storage import cache_bookkeeping
+    if isinstance(tokenizer, HFTokenizer):  # its own files (HFTokenizer checked their hash), model_max_length aside
+        # the files HFTokenizer hashed: not the stamps, locks and hidden temporaries a corpus read from object
+        # storage keeps beside its local copy
+        files = sorted(p for p in tokenizer.path.iterdir() if p.is_file() and not cache_bookkeeping(p.name))
         # Refused, not skipped: the tokenizer's hash covers every one of its files, so without one the export
         # would not carry the tokenizer the model was trained with; a .py would run under trust_remote_code.
         model_files = {"config.json", "README.md", *REMOTE_CODE}
@@ -121,6 +151,7 @@ def write_tokenizer(tokenizer, out_dir: Path, max_length: int) -> dict:
                                        f"to copy them over it; rebuild the corpus's tokenizer (make corpus)")
         for path in files:
             shutil.copyfile(path, out_dir / path.name)
+        set_model_max_length(out_dir / "tokenizer_config.json", max_length)
         native = tokenizer.tok
         return {"kind": "hf", "source": tokenizer.source, "size": len(native),
                 "pad_id": native.pad_token_id, "class": type(native).__name__}

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -105,6 +106,10 @@ def test_the_export_holds_weights_config_tokenizer_card_and_remote_code(exported
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
             "configuration_fast_electra.py", "modeling_fast_electra.py", "fast_electra_encoder.py"} <= names
     assert not list(out.parent.glob(f".{out.name}*"))  # no staging folder left behind
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # model.safetensors too (safetensors writes 0600)
     assert (out / "fast_electra_encoder.py").read_bytes() == (ROOT / "common" / "model.py").read_bytes()
     hf_config = json.loads((out / "config.json").read_text())
     assert hf_config["model_type"] == "fast-electra" and hf_config["architectures"] == ["FastElectraForPreTraining"]
@@ -308,7 +313,7 @@ def test_force_never_replaces_a_folder_the_export_reads(exported, tmp_path, caps
     for target in (run, tmp_path):
         assert export_main(["--run", str(run), "--out", str(target), "--force"]) == 2
         assert "holds no config.json" in capsys.readouterr().err  # not a model directory
-        (target / "config.json").write_text("{}")  # as if one were: still never replaced
+        (target / "config.json").write_text('{"model_type": "fast-electra"}')  # as if one were: still never replaced
         assert export_main(["--run", str(run), "--out", str(target), "--force"]) == 2
         err = capsys.readouterr().err
         assert f"output folder {target} holds" in err and "which the export reads" in err, err
@@ -337,7 +342,13 @@ def test_force_replaces_an_export_and_a_missing_extra_names_the_install_command(
     assert export_main(["--run", str(out.parent / "run"), "--out", str(again), "--force",
                         "--data", str(out.parent / "epochs")]) == 2  # not a model directory: never replaced
     assert "holds no config.json" in capsys.readouterr().err and (again / "stale.txt").is_file()
-    (again / "config.json").write_text("{}")
+    for other in ('{"model_type": "bert", "architectures": ["BertForMaskedLM"]}', "{}", "not json"):
+        (again / "config.json").write_text(other)  # a downloaded model, an hf: aux model: never replaced either
+        assert export_main(["--run", str(out.parent / "run"), "--out", str(again), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert f"output folder {again} holds a model directory that is not an export of this project" in err, err
+        assert (again / "stale.txt").is_file() and (again / "config.json").read_text() == other
+    (again / "config.json").write_text('{"model_type": "fast-electra"}')  # an earlier export
     assert export_main(["--run", str(out.parent / "run"), "--out", str(again), "--force",
                         "--data", str(out.parent / "epochs")]) == 0
     assert not (again / "stale.txt").exists()
@@ -484,7 +495,7 @@ def test_an_export_that_does_not_reproduce_the_model_is_not_published(exported, 
     monkeypatch.setattr(exporter, "hf_weights", changed)
     target = tmp_path / "kept"
     target.mkdir()
-    (target / "config.json").write_text("{}")  # the previous export
+    (target / "config.json").write_text('{"model_type": "fast-electra"}')  # the previous export
     with pytest.raises(exporter.ExportError, match="does not reproduce it.*nothing was written to " + re.escape(str(target))):
         export(from_run(out.parent / "run", data=out.parent / "epochs"), target, force=True, log=lambda *a: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and [p.name for p in target.iterdir()] == ["config.json"]

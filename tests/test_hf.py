@@ -271,6 +271,27 @@ def test_frequent_pieces_get_the_smallest_ids_and_the_reserved_block_the_largest
     assert counts[5] == counts[5:].max() and (np.diff(counts[5:stop]) <= 0).mean() > 0.95, counts[5:40]
 
 
+@pytest.mark.parametrize("family", ("bert", "roberta"))
+def test_special_tokens_written_in_the_text_are_spelled_out_not_read_as_specials(hf_dirs, tmp_path, family):
+    """Corpus text holding "[SEP]", "[PAD]", "<s>", "</s>", "[MASK]" as words: the corpus stage's encoding
+    (`encode_native`, and the counts that order the ids) spells them out, as text, so rows hold the specials
+    only where the corpus stage puts them (the Hugging Face tokenizer's default reads them as the specials)."""
+    from common.hf import HFTokenizer, build_tokenizer
+    from common.tokenizer import META_FILE
+    raw, dirs = hf_dirs
+    words = " ".join(_texts(raw)).split()[:12]
+    literal = ["[SEP]", "[PAD]", "[CLS]", "[MASK]", "<s>", "</s>", "<pad>", "<mask>"]
+    text = " ".join(w for pair in zip(words, literal) for w in pair)
+    build_tokenizer(dirs[family], [text] * 3, tmp_path, META_FILE)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    tok = HFTokenizer(tmp_path, meta)
+    ids = tok.encode(text)
+    # [UNK] may stand for a character the tokenizer never saw ("[" in a WordPiece trained on text without one)
+    assert not {PAD_ID, CLS_ID, SEP_ID, MASK_ID} & set(ids), [tok.piece(i) for i in ids]
+    assert not set(ids) & set(range(tok.reserved.stop(tok.vocab_size), tok.vocab_size))
+    assert len(ids) > len(words) + 2 * len(literal)  # each written special: several pieces
+
+
 def test_bad_hf_directories_stop_before_any_work(hf_dirs, tmp_path, capsys):
     """`python -m corpus` / `python -m auxiliary` (their main(), in this process) on a directory without a
     masked-LM head, without a tokenizer, and with fewer positions than the rows: exit 2, one line."""
@@ -355,3 +376,53 @@ def test_a_deberta_in_the_original_head_layout_serves_with_its_own_logits(hf_dir
         own = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[flags][:, :len(tok)]
         got = ours(ids, torch.ones_like(ids), flags)  # the head on the masked rows only: measured 1.2e-7 apart
         assert got.shape == own.shape and (got - own).abs().max() < 1e-5, (got - own).abs().max()
+
+
+def _more_layers_in_the_config(folder: Path, dirs) -> str:
+    shutil.copytree(dirs["bert"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    return "its weights lack 16 tensor(s) of the model its config.json describes (bert.encoder.layer.2."
+
+
+def _another_vocab_size_in_the_config(folder: Path, dirs) -> str:
+    shutil.copytree(dirs["bert"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 5}))
+    rows = config["vocab_size"]
+    return (f"{folder / 'config.json'} does not describe the weights in {folder}: bert.embeddings.word_embeddings"
+            f".weight is [{rows}, 32] there, the config makes it [{rows + 5}, 32]")
+
+
+def _distilbert(folder: Path, dirs) -> str:
+    tok = transformers.AutoTokenizer.from_pretrained(str(dirs["bert"]))
+    tok.save_pretrained(str(folder))
+    cfg = transformers.DistilBertConfig(vocab_size=len(tok) + 8, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                        max_position_embeddings=64, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.DistilBertForMaskedLM(cfg).save_pretrained(str(folder))
+    return "model_type 'distilbert' (DistilBertForMaskedLM) is not supported as an auxiliary model"
+
+
+@pytest.mark.parametrize("make", (_more_layers_in_the_config, _another_vocab_size_in_the_config, _distilbert))
+def test_a_model_that_would_load_wrong_or_crash_is_refused_in_one_line(hf_dirs, tmp_path, capsys, make):
+    """A config.json with more layers than the weights (transformers filled the missing layers with random
+    values, and only a missing head was refused); one whose vocab_size is not the weights' (transformers' own
+    RuntimeError points at a report its silenced logging never shows); a family whose head is not its
+    non-base children run in order (DistilBERT: its loss module among them, a TypeError): `python -m corpus`
+    exits 2 with one line naming the folder and what is wrong, before any work."""
+    from corpus.__main__ import main as corpus_main
+    from common.hf import SUPPORTED_FAMILIES
+    raw, dirs = hf_dirs
+    folder = tmp_path / "model"
+    message = make(folder, dirs)
+    config = _config(tmp_path / "work", raw, folder)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(dump_toml(config))
+    assert corpus_main(["--manifest", str(manifest), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("error: "), err[-2000:]
+    assert message in err.splitlines()[-1] and str(folder) in err, err[-2000:]
+    if make is _distilbert:
+        assert ", ".join(SUPPORTED_FAMILIES) in err
+    assert not config.corpus_dir.exists()
