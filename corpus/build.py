@@ -820,6 +820,9 @@ def _pack_and_publish(config, source, files, units, decision: Decision, tok, sta
     _publish(staging, out_dir)
     seconds["publish"] = time.time() - t_start - sum(seconds.values())
     log("corpus: seconds " + ", ".join(f"{k} {v:.2f}" for k, v in {**seconds, "encode_in_pack": encode_s}.items()))
+    from common.memory import peak_rss_bytes
+    log(f"corpus: peak RSS of this process {peak_rss_bytes() / 2**20:.0f} MB "
+        f"({'the whole build: one worker, in it' if workers == 1 and not address else 'its Ray workers apart'})")
     log(f"corpus: train {meta['train']['rows']} rows / {meta['train']['tokens']} tokens, "
         f"valid {meta['valid']['rows']} rows; {meta['documents']['train']} + {meta['documents']['valid']} "
         f"documents, {decision.duplicates} duplicates dropped; vocab {tok.vocab_size}; "

@@ -129,6 +129,7 @@ def test_bench_gpu_times_the_trainers_own_update_function(tmp_path, monkeypatch)
     assert generation["forward_flops_per_s"] > 0 and generation["forward_peak_memory_gib"] > 0
     assert set(generation["gen_vs_forward_by_depth"]) == {2, 3} and generation["profiled_wall_s"] > 0
     assert generation["phase_seconds_per_shard"]["device"] > 0 and generation["generation_seconds_per_shard"] > 0
+    assert 0 < generation["steady_seconds_per_shard"] and generation["gen_vs_forward_steady"] > 0
     assert generation["no_mask_logits_equal"] is True and generation["head_weight_logits_equal"] is True
     # the attention ways that run on a CPU (FlexAttention's backward does not): the same function as the model's
     # way within bf16 rounding, each naming its backend
@@ -164,6 +165,7 @@ def test_bench_gpu_times_generation_in_processes_sharing_the_device():
                                            device=torch.device("cpu"))
     assert out["shards"] == 4 and out["tokens"] == 4 * 8 * config.corpus.max_seq_len and out["tokens_per_s"] > 0
     assert set(out["phase_seconds_per_shard"]) == {"read", "prepare", "wait", "device", "finish", "write"}
+    assert out["steady_tokens_per_s"] > 0  # 2 of the 4 shards done after each process's first
 
 
 def test_bench_gpu_refuses_an_unknown_part_before_it_needs_the_gpu(capsys):

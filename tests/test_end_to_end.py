@@ -73,6 +73,13 @@ def test_two_ranks_and_accumulation_follow_the_one_rank_curve(built, generated, 
         records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
         losses[(nproc, micro)] = [r["loss"] for r in records]
         assert [r["rows"] for r in records] == [[8 * s, 8 * (s + 1)] for s in range(6)]
+        # the updates happened (runs that never stepped would agree too): every weight matrix left its init
+        from common.checkpoint import latest_checkpoint
+        from train.trainer import build_model
+        state = latest_checkpoint(run / "checkpoints")[1]
+        initial = build_model(config, built.tokenizer.vocab_size, 0.15, torch.device("cpu"))[0].state_dict()
+        assert state["step"] == 6 and set(state["model"]) == set(initial)
+        assert [k for k, v in state["model"].items() if v.dim() == 2 and torch.equal(v, initial[k])] == []
     assert len(losses[(1, 8)]) == 6
     np.testing.assert_allclose(losses[(2, 2)], losses[(1, 8)], rtol=2e-5)
     np.testing.assert_allclose(losses[(1, 2)], losses[(1, 8)], rtol=2e-5)
