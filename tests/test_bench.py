@@ -215,3 +215,5 @@ def test_bench_generates_worker_scaling_runs_the_generators_ray_job(built, env_w
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["tokens"] > 0 and out["workers_1_tokens_per_s"] > 0 and out["workers_2_tokens_per_s"] > 0
+    # timed from the first shard started to the last done: the actors' start-up outside, inside the wall time
+    assert 0 < out["workers_1_seconds"] < out["workers_1_wall_seconds"]
