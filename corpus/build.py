@@ -172,14 +172,14 @@ def pack_document(ids: np.ndarray, max_seq_len: int, min_seq_len: int) -> list[n
 class PartWriter:
     """One unit's rows of one split, written as they come, so a unit of any size is packed in bounded
     memory: every `flush_rows` rows go to the Parquet part as a row group and to the flat token and
-    offset arrays (raw files, given their .npy header at the end: the same bytes as `np.save`)."""
+    offset arrays (`NpyAppender`s: the same bytes as `np.save`)."""
 
     FLUSH_ROWS = 16384
 
     def __init__(self, out: Path, split: str, unit: int, flush_rows: int = FLUSH_ROWS):
         self.out, self.name, self.flush_rows = out, f"{split}/part-{unit:05d}", flush_rows
         self.rows, self.doc_ids, self.count, self.tokens = [], [], 0, 0
-        self.parquet = self.raw = None
+        self.parquet = self.flat = None
 
     def add(self, rows: list[np.ndarray], doc_id: int) -> None:
         self.rows += rows
@@ -193,12 +193,11 @@ class PartWriter:
             return
         if self.parquet is None:
             (self.out / self.name).parent.mkdir(parents=True, exist_ok=True)
-            self.paths = {kind: tmp_path_for(self.out / f"{self.name}{suffix}")
-                          for kind, suffix in (("parquet", ".parquet"), ("tokens", ".tokens.npy"),
-                                               ("offsets", ".offsets.npy"))}
-            self.parquet = pq.ParquetWriter(self.paths["parquet"], CORPUS_SCHEMA, **PARQUET_OPTIONS)
-            self.raw = {k: open(self.paths[k].with_suffix(".raw"), "wb") for k in ("tokens", "offsets")}
-            self.raw["offsets"].write(np.zeros(1, np.int64).tobytes())
+            self.parquet_tmp = tmp_path_for(self.out / f"{self.name}.parquet")
+            self.parquet = pq.ParquetWriter(self.parquet_tmp, CORPUS_SCHEMA, **PARQUET_OPTIONS)
+            self.flat = {kind: NpyAppender(self.out / f"{self.name}.{kind}.npy", dtype)
+                         for kind, dtype in (("tokens", np.int32), ("offsets", np.int64))}
+            self.flat["offsets"].append(np.zeros(1, np.int64))
         lengths = np.fromiter((len(r) for r in self.rows), dtype=np.int64, count=len(self.rows))
         offsets = np.zeros(len(self.rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -208,8 +207,8 @@ class PartWriter:
             "doc_id": pa.array(np.asarray(self.doc_ids, dtype=np.int32)),
             "input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))},
             schema=CORPUS_SCHEMA))
-        self.raw["tokens"].write(tokens.tobytes())
-        self.raw["offsets"].write((offsets[1:] + self.tokens).tobytes())
+        self.flat["tokens"].append(tokens)
+        self.flat["offsets"].append(offsets[1:] + self.tokens)
         self.count, self.tokens = self.count + len(self.rows), self.tokens + int(offsets[-1])
         self.rows, self.doc_ids = [], []
 
@@ -219,35 +218,22 @@ class PartWriter:
         if self.parquet is None:
             return None
         self.parquet.close()
-        for kind, dtype, count in (("tokens", np.int32, self.tokens), ("offsets", np.int64, self.count + 1)):
-            self.raw[kind].close()
-            raw = self.paths[kind].with_suffix(".raw")
-            with open(self.paths[kind], "wb") as f:  # the .npy header np.save writes, then the data
-                header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
-                          "shape": (count,)}
-                np.lib.format.write_array_header_1_0(f, header)
-                with open(raw, "rb") as data:
-                    shutil.copyfileobj(data, f, 1 << 20)
-            raw.unlink()
-        records = {}
-        for kind, suffix in (("parquet", ".parquet"), ("tokens", ".tokens.npy"), ("offsets", ".offsets.npy")):
-            final = self.out / f"{self.name}{suffix}"
-            with open(self.paths[kind], "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(self.paths[kind], final)
-            records[kind] = {"path": f"{self.name}{suffix}", "bytes": final.stat().st_size, "sha256": sha256_file(final)}
-        parquet = records.pop("parquet")
-        return {"path": parquet["path"], "rows": self.count, "tokens": self.tokens, "bytes": parquet["bytes"],
-                "sha256": parquet["sha256"], "flat": records}
+        records = {kind: appender.close() for kind, appender in self.flat.items()}
+        final = self.out / f"{self.name}.parquet"
+        with open(self.parquet_tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(self.parquet_tmp, final)
+        records = {kind: {"path": f"{self.name}.{kind}.npy", "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+                   for kind, path in records.items()}
+        return {"path": f"{self.name}.parquet", "rows": self.count, "tokens": self.tokens,
+                "bytes": final.stat().st_size, "sha256": sha256_file(final), "flat": records}
 
     def abort(self) -> None:
         if self.parquet is not None:
             self.parquet.close()
-            for kind, path in self.paths.items():
-                path.unlink(missing_ok=True)
-                if kind != "parquet":
-                    self.raw[kind].close()
-                    path.with_suffix(".raw").unlink(missing_ok=True)
+            self.parquet_tmp.unlink(missing_ok=True)
+            for appender in self.flat.values():
+                appender.abort()
 
 
 def pack_unit(unit: WorkUnit, text_column: str, out_dir: str, masks: tuple, doc_id_start: int, max_seq_len: int,

@@ -46,6 +46,12 @@ def save(ckpt_dir: Path, keep: int, progress: Progress, model, optimizer, schedu
     }, ckpt_dir, keep)
 
 
+def dropout_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of a rank's dropout stream from `step` on: a fresh run's from step 0, a resume on another number
+    of ranks (whose saved streams do not fit) from its step."""
+    return seed + 1000 + rank + 1_000_003 * step
+
+
 def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, manifest_hash: str, data_desc,
             rank: int, world: int, device: torch.device) -> tuple[Path, Progress] | None:
     """Collective. Load the newest valid checkpoint into model, optimizer and scheduler (and this rank's RNG
@@ -92,5 +98,5 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
         if cuda_state is not None and device.type == "cuda":
             torch.cuda.set_rng_state(cuda_state, device)
     else:  # no saved stream for this rank: a new one of (seed, rank, step), not step 0's masks over again
-        torch.manual_seed(config.train.seed + 1000 + rank + 1_000_003 * state["step"])
+        torch.manual_seed(dropout_seed(config.train.seed, rank, state["step"]))
     return path, Progress(state["step"], state["history"], state["nonfinite_total"], state["nonfinite_run"])

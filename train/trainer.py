@@ -325,7 +325,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     # temperature); torch would warn about the call order if the very first update were the skipped one.
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    torch.manual_seed(tc.seed + 1000 + rank)  # dropout stream of this rank
+    torch.manual_seed(state.dropout_seed(tc.seed, rank))  # dropout stream of this rank
 
     ckpt_dir, progress = run_dir / "checkpoints", state.Progress()
     evaluate_now = partial(evaluate_mlm, to_batch=to_batch) if mlm else evaluate
