@@ -229,11 +229,8 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
     reset_peak_memory(device)
     seconds = statistics.median(device_seconds(update, steps, device))
     micro = statistics.median(device_seconds(forward_backward, steps, device))
-    if profile:  # where an update's GPU time goes, by kernel
-        from torch.profiler import ProfilerActivity
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            device_seconds(update, 2, device)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
+    # where two updates' GPU time goes, by kernel, and whether the host keeps the device busy
+    profiled = profile_call(lambda: (update(), update()), device) if profile else {}
     flops = update_flops(config, rows * accum)
     kernels = sdpa_kernels(forward_backward)  # the attention of the trainer's own forward and backward
     optimizer.zero_grad(set_to_none=True)
@@ -243,7 +240,7 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
             "model_flops_per_update": flops, "achieved_flops_per_s": flops / seconds,
             "fwd_bwd_flops_per_s": update_flops(config, rows) / micro,
             "peak_memory_gib": peak_memory_gib(device),
-            "parameters": sum(p.numel() for p in model.parameters())}
+            "parameters": sum(p.numel() for p in model.parameters()), **profiled}
 
 
 def measure_efficiency(config, rows: int, accum: int, steps: int, device: torch.device = torch.device("cuda"),

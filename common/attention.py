@@ -21,12 +21,18 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:  # a CPU machine without Triton: SDPA everywhere
     triton = None
 
 # Tiles, measured on an H200 at the base shape (docs/benchmarks.md); head dims 16-128.
 FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, FWD_STAGES = 64, 64, 4, 3
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_WARPS, BWD_STAGES = 128, 64, 8, 3
+# Smaller tiles, tried in turn where a GPU has too little shared memory for those (on an H200, head dim 128: the
+# backward's 128 x 64 tiles in 3 stages asked for 274 KiB of its 227); the first that fits is kept per head dim.
+FWD_FALLBACK = ((64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1))
+BWD_FALLBACK = ((64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1))
+_fitted: dict = {}  # (kernel, head dim, dtype, device, the measured tiles) -> the tiles that fit
 
 
 def available() -> bool:
@@ -187,6 +193,23 @@ def _blocks(L: int, block: int) -> int:
     return triton.cdiv(L, block)
 
 
+def _with_tiles(key: tuple, measured: tuple, fallbacks: tuple, launch) -> None:
+    """`launch(tiles)` with the measured tiles, or where the GPU's shared memory cannot hold them (Triton says so
+    before the kernel runs) with the first of `fallbacks` that fits; the tiles that fit are remembered per `key`."""
+    key = (*key, measured)
+    if key in _fitted:
+        return launch(_fitted[key])
+    for tiles in (measured, *fallbacks):
+        try:
+            launch(tiles)
+        except OutOfResources:
+            continue
+        _fitted[key] = tiles
+        return None
+    raise RuntimeError(f"common/attention.py: no tiles of {(measured, *fallbacks)} fit this GPU's shared memory "
+                       f"for {key[0]} at head dim {key[1]}")
+
+
 def _dropout_args(p_drop: float) -> tuple[int, float]:
     """(threshold, scale): a probability is dropped where 16 random bits fall under round(p * 2^16), so the
     rate is p to 1 / 2^16 (0.1 drops 6,554 / 65,536 = 0.100006), and kept ones are scaled by 1 / (1 - that rate)."""
@@ -201,14 +224,18 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
     o = torch.empty((B, L, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # (B, H, L, D), rows' layout
     lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
     sbb = bias.stride(0) if bias.shape[0] > 1 else 0
-    _forward_kernel[(_blocks(L, FWD_BLOCK_M), B * H)](
-        q, k, v, bias, o, lse, seed,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), sbb, bias.stride(1), bias.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), H, L, 1.0 / math.sqrt(D), *_dropout_args(p_drop),
-        D=D, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, DROPOUT=p_drop > 0.0,
-        EVEN=L % FWD_BLOCK_M == 0 and L % FWD_BLOCK_N == 0,
-        num_warps=FWD_WARPS, num_stages=FWD_STAGES)
+
+    def launch(tiles):
+        block_m, block_n, warps, stages = tiles
+        _forward_kernel[(_blocks(L, block_m), B * H)](
+            q, k, v, bias, o, lse, seed,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), sbb, bias.stride(1), bias.stride(2),
+            o.stride(0), o.stride(1), o.stride(2), H, L, 1.0 / math.sqrt(D), *_dropout_args(p_drop),
+            D=D, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=p_drop > 0.0, EVEN=L % block_m == 0 and L % block_n == 0,
+            num_warps=warps, num_stages=stages)
+    _with_tiles(("forward", D, q.dtype, q.device), (FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, FWD_STAGES), FWD_FALLBACK,
+                launch)
     return o, lse
 
 
@@ -230,14 +257,18 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dv = torch.empty_like(dk)
     ds = torch.empty((B, H, L, L), dtype=q.dtype, device=q.device)
     sbb = bias.stride(0) if bias.shape[0] > 1 else 0
-    _backward_kernel[(_blocks(L, BWD_BLOCK_N), B * H)](
-        q, k, v, bias, do, lse, delta, dk, dv, ds, seed,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), sbb, bias.stride(1), bias.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), H, L, 1.0 / math.sqrt(D), *_dropout_args(p_drop),
-        D=D, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, DROPOUT=p_drop > 0.0,
-        EVEN=L % BWD_BLOCK_M == 0 and L % BWD_BLOCK_N == 0,
-        num_warps=BWD_WARPS, num_stages=BWD_STAGES)
+
+    def launch(tiles):
+        block_m, block_n, warps, stages = tiles
+        _backward_kernel[(_blocks(L, block_n), B * H)](
+            q, k, v, bias, do, lse, delta, dk, dv, ds, seed,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), sbb, bias.stride(1), bias.stride(2),
+            do.stride(0), do.stride(1), do.stride(2), H, L, 1.0 / math.sqrt(D), *_dropout_args(p_drop),
+            D=D, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=p_drop > 0.0, EVEN=L % block_m == 0 and L % block_n == 0,
+            num_warps=warps, num_stages=stages)
+    _with_tiles(("backward", D, q.dtype, q.device), (BWD_BLOCK_M, BWD_BLOCK_N, BWD_WARPS, BWD_STAGES), BWD_FALLBACK,
+                launch)
     dq = torch.empty_like(dk)  # contiguous, as the fake says, whatever layout k has
     torch.matmul(ds, k, out=dq).mul_(1.0 / math.sqrt(D))
     dbias = ds.sum(0, keepdim=True, dtype=torch.float32).to(bias.dtype) if bias.shape[0] == 1 else ds.to(bias.dtype)

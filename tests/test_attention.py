@@ -220,3 +220,31 @@ def test_the_trainer_routes_attention_through_the_kernel_on_a_gpu_only(tmp_path)
             model, _ = build_model(config, 100, 0.1, device)
             routed = {layer.fused_attention is not None for layer in model.encoder.layers}
             assert routed == {setting == "auto" and device.type == "cuda" and attention.available()}
+
+
+@pytest.mark.skipif(not attention.available(), reason="Triton is not installed (the test extra installs it)")
+def test_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones_once(monkeypatch):
+    """A GPU without the shared memory for the measured tiles (an H200 at head dim 128 asked 274 KiB of its 227 for
+    the backward's; Triton raises before the kernel runs) takes the first fallback that fits, remembered per key;
+    where none fits the error names the file and the head dim. The kernels themselves: the GPU tests above."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(attention, "_fitted", {})
+    tried = []
+
+    def launch(tiles):  # a GPU whose shared memory holds tiles of 64 x 64 in 2 stages and less
+        tried.append(tiles)
+        if tiles[0] * tiles[1] * tiles[3] > 64 * 64 * 2:
+            raise OutOfResources(280576, 232448, "shared memory")
+    measured = (128, 64, 8, 3)
+    attention._with_tiles(("backward", 128, torch.bfloat16, "cuda:0"), measured, attention.BWD_FALLBACK, launch)
+    assert tried == [measured, (64, 64, 4, 3), (64, 64, 4, 2)]
+    tried.clear()
+    attention._with_tiles(("backward", 128, torch.bfloat16, "cuda:0"), measured, attention.BWD_FALLBACK, launch)
+    assert tried == [(64, 64, 4, 2)]  # remembered: no second failed compile
+    attention._with_tiles(("backward", 64, torch.bfloat16, "cuda:0"), (64, 32, 4, 2), attention.BWD_FALLBACK, launch)
+    assert tried[-1] == (64, 32, 4, 2)  # another head dim, tiles that fit: taken as they are
+
+    def never(tiles):
+        raise OutOfResources(1 << 20, 232448, "shared memory")
+    with pytest.raises(RuntimeError, match="common/attention.py.*head dim 256"):
+        attention._with_tiles(("forward", 256, torch.bfloat16, "cuda:0"), (64, 64, 4, 3), attention.FWD_FALLBACK, never)
