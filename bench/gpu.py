@@ -658,6 +658,7 @@ def measure_fused_tiles(config, rows: int, repeats: int = 10, device: torch.devi
                 key = f"{which} {tile}"
                 apply_tiles({"best_fwd": tile, "best_bwd": kept["best_bwd"]} if which == "fwd" else
                             {"best_fwd": kept["best_fwd"], "best_bwd": tile})
+                A._fitted.clear()  # each tile tried afresh: one the GPU refuses must not pass as its fallback
                 try:
                     def fwd_bwd():
                         A.attention(q, k, v, bias, m.dropout).backward(g)
@@ -668,10 +669,15 @@ def measure_fused_tiles(config, rows: int, repeats: int = 10, device: torch.devi
                             fwd = partial(A.attention, q, k, v, bias, m.dropout)
                             device_seconds(fwd, 2, device)
                             out["fwd_ms"][key] = 1e3 * statistics.median(device_seconds(fwd, repeats, device))
+                    ran = {kind: tiles for (kind, *_, asked), tiles in A._fitted.items() if tiles != asked}
+                    if ran:  # the GPU's shared memory refused the tile: what was timed was a fallback
+                        out["fwd_bwd_ms"].pop(key), out["fwd_ms"].pop(key, None)
+                        out["errors"][key] = f"shared memory: ran the fallback tiles {ran}"
                 except Exception as e:  # noqa: BLE001 -- a tile the GPU refuses (shared memory) is a result too
                     out["errors"][key] = f"{type(e).__name__}: {e}"[:300]
     finally:
         apply_tiles(kept)
+        A._fitted.clear()
     if out["fwd_bwd_ms"]:
         out["fastest"] = min(out["fwd_bwd_ms"], key=out["fwd_bwd_ms"].get)
     for which, tiles in (("fwd", FWD_TILES), ("bwd", BWD_TILES)):

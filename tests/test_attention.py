@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,6 +97,31 @@ def edge_checks(device="cpu") -> dict:
 def interpreted_checks() -> dict:
     """Run in a process of its own with TRITON_INTERPRET=1 (read when the kernels are defined)."""
     return {"shapes": [compare(*shape, torch.float32, "cpu") for shape in SHAPES], "edges": edge_checks()}
+
+
+def tile_sweep_with_a_refusal() -> dict:
+    """bench.gpu's tile sweep on a GPU whose shared memory refuses forward tiles with BLOCK_M 128 (Triton raises
+    before the kernel runs; simulated here around the real kernel, run by the interpreter): those tiles must be
+    reported as refused, not timed as the fallback that ran in their place."""
+    from triton.runtime.errors import OutOfResources
+    from bench import gpu
+    from common.config import ModelConfig
+    real = attention._forward_kernel
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if kwargs["BLOCK_M"] == 128:
+                    raise OutOfResources(280576, 232448, "shared memory")
+                return real[grid](*args, **kwargs)
+            return launch
+    attention._forward_kernel = Refusing()
+    config = SimpleNamespace(model=ModelConfig(hidden_size=32, num_heads=2, num_layers=1, ffn_size=64),
+                             corpus=SimpleNamespace(max_seq_len=64))  # what measure_fused_tiles reads
+    gpu.FWD_TILES, gpu.BWD_TILES = ((64, 64, 4, 3), (128, 64, 8, 3)), ((64, 64, 4, 3),)
+    out = gpu.measure_fused_tiles(config, rows=1, repeats=1, device=torch.device("cpu"))
+    return {"timed": sorted(out["fwd_bwd_ms"]), "errors": out["errors"], "best_fwd": out["best_fwd"],
+            "fitted_after": len(attention._fitted)}
 
 
 def _interpreter_works() -> bool:
@@ -248,3 +274,17 @@ def test_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones_once(monkeypatch)
         raise OutOfResources(1 << 20, 232448, "shared memory")
     with pytest.raises(RuntimeError, match="common/attention.py.*head dim 256"):
         attention._with_tiles(("forward", 256, torch.bfloat16, "cuda:0"), (64, 64, 4, 3), attention.FWD_FALLBACK, never)
+
+
+@pytest.mark.skipif(not attention.available(), reason="Triton is not installed (the test extra installs it)")
+def test_the_tile_sweep_reports_a_refused_tile_instead_of_timing_its_fallback():
+    if not _interpreter_works():
+        pytest.skip("this Triton's interpreter does not run with this numpy (Triton >= 3.7 does)")
+    code = "import json, tests.test_attention as t; print(json.dumps(t.tile_sweep_with_a_refusal()))"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["timed"] == ["bwd (64, 64, 4, 3)", "fwd (64, 64, 4, 3)"], r
+    assert list(r["errors"]) == ["fwd (128, 64, 8, 3)"] and "fallback" in r["errors"]["fwd (128, 64, 8, 3)"], r
+    assert r["best_fwd"] == [64, 64, 4, 3] and r["fitted_after"] == 0, r
