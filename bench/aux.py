@@ -59,7 +59,8 @@ def shaped_config(manifest: str, seq_len: int, batch: int, micro: int, layers: i
 def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layers: int, hidden: int, vocab: int,
           objective: str = "mlm") -> dict:
     """In this (fresh) process: `steps` updates of the aux model (or, objective "fast-offline", the main
-    model on random labels); peak RSS and the pre-flight estimate."""
+    model on random labels; "fast-online", on rows corrupted by a random aux model of the manifest's aux depth
+    as the trainer's reader does); peak RSS and the pre-flight estimate."""
     from common.memory import estimate_peak_bytes
     from common.model import ReplacedTokenDetector
     from common.optim import build_optimizer, build_scheduler
@@ -79,10 +80,26 @@ def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layer
     low = max(SPECIAL_IDS) + 1
     to_batch = partial(mlm_tensors, seed=config.seed, mask_prob=config.aux.mask_prob) if mlm else to_tensors
     autocast = torch.autocast("cpu", enabled=False)
+    corruptor, aux_need = None, 0.0
+    if objective == "fast-online":
+        import tempfile
+        from common.checkpoint import save_aux
+        from common.corrupt import Corruptor
+        from common.memory import online_aux_need
+        from common.model import MaskedLM
+        tmp = tempfile.mkdtemp(prefix="bench-aux-")
+        aux_layers = config.aux.num_layers
+        path = save_aux(MaskedLM(config.model, vocab, aux_layers), config.model, aux_layers, vocab, "synthetic", tmp,
+                        {"steps": 0})
+        corruptor = Corruptor(path, config.seed, config.generate.mask_prob, config.generate.batch_tokens)
+        aux_need = online_aux_need(corruptor, batch, seq_len, gpu=False)
     t0, losses = time.time(), []
     for step in range(steps):
         ids = rng.integers(low, vocab, size=(batch, seq_len)).astype(np.int32)
         labels = rng.random((batch, seq_len)) < 0.15
+        if corruptor is not None:  # the rank's rows of the batch, corrupted at once (train.online.OnlineStream)
+            made = corruptor(list(ids), np.arange(batch) + step * batch, 0, np.full(batch, 1.5))
+            ids, labels = np.stack(made["input_ids"]), np.stack(made["labels"]).astype(bool)
         micro_rows = [{"input_ids": list(ids[i:i + micro]), "row_id": np.arange(i, i + micro) + step * batch,
                        "epoch": np.zeros(micro, dtype=np.int64), **({} if mlm else {"labels": list(labels[i:i + micro])})}
                       for i in range(0, batch, micro)]
@@ -90,7 +107,8 @@ def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layer
                           tc, partial(masked_count, mask_prob=config.aux.mask_prob))
         losses.append(float(loss))  # the update leaves it on the device
     peak = peak_rss_bytes()
-    return {"peak_rss_bytes": peak, "estimate_bytes": estimate_peak_bytes(config, vocab, micro, "cpu", accumulating=micro < batch),
+    estimate = aux_need + estimate_peak_bytes(config, vocab, micro, "cpu", accumulating=micro < batch)
+    return {"peak_rss_bytes": peak, "estimate_bytes": estimate, "aux_need_bytes": aux_need,
             "seconds": time.time() - t0, "losses": losses, "layers": config.model.num_layers,
             "hidden": config.model.hidden_size, "vocab": vocab, "seq_len": seq_len, "batch": batch, "micro": micro,
             "objective": objective}

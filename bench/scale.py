@@ -8,7 +8,8 @@ In one run:
                             (target <= 1.2): tasks are (epoch, first row, count), no per-row arrays
   preflight_max_error       the pre-flight memory estimate against the measured peak of 2 updates of the
                             trainer's own update function, CPU, main models of three shapes (one at base
-                            width, 12 x 768) and the aux model at base shape: the largest relative error
+                            width, 12 x 768), the aux model at base shape, and fast-online at 12 x 768 (its
+                            aux model corrupting each batch beside it): the largest relative error
                             (target <= 0.25)
   rank_read_fraction        a shard folder in row groups of a rank's share; 2 ranks each read their slices
                             of every step: bytes read (read syscalls, /proc/self/io rchar, and the column
@@ -88,7 +89,9 @@ def preflight_error() -> dict:
     shapes = [measure(manifest, 128, 8, 8, layers=12, hidden=768, vocab=32000, objective="fast-offline"),
               measure(manifest, 128, 32, 32, layers=4, hidden=256, vocab=8000, objective="fast-offline"),
               measure(manifest, 512, 8, 8, layers=2, hidden=512, vocab=8000, objective="fast-offline"),
-              measure(manifest, 64, 8, 4, objective="mlm")]
+              measure(manifest, 64, 8, 4, objective="mlm"),
+              # its aux model beside it, corrupting each batch (common.memory.online_aux_need)
+              measure(manifest, 128, 8, 8, layers=12, hidden=768, vocab=32000, objective="fast-online")]
     for r in shapes:
         r["estimate_over_measured"] = r["estimate_bytes"] / r["peak_rss_bytes"]
     return {"preflight_max_error": max(abs(r["estimate_over_measured"] - 1) for r in shapes), "preflight_shapes": shapes}

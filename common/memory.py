@@ -164,23 +164,44 @@ def largest_fitting(config: RunConfig, vocab_size: int, budget: float, device_ty
 
 
 def preflight(config: RunConfig, vocab_size: int, micro: int, device: torch.device, what: str = "train",
-              share: int = 0) -> float:
+              share: int = 0, beside: tuple[float, str] = (0.0, "")) -> float:
     """Refuse, before any work, a micro-batch of `micro` rows whose estimated peak exceeds the device's
     memory, naming both numbers and the largest micro-batch that fits. Returns the estimate in bytes.
-    FAST_ELECTRA_MEMORY_BYTES overrides the device's number (tests; a machine whose limit is elsewhere)."""
+    `beside`: (bytes, what) held beside the training at its peak whatever the micro-batch (fast-online's aux
+    model: `online_aux_need`). FAST_ELECTRA_MEMORY_BYTES overrides the device's number (tests; a machine whose
+    limit is elsewhere)."""
     params = parameters(config, vocab_size)
-    need = estimate_peak_bytes(config, vocab_size, micro, device.type, params=params,
-                               accumulating=micro < (share or micro))
+    extra, extra_what = beside
+    need = extra + estimate_peak_bytes(config, vocab_size, micro, device.type, params=params,
+                                       accumulating=micro < (share or micro))
     override = os.environ.get("FAST_ELECTRA_MEMORY_BYTES")
     have, source = (float(override), "FAST_ELECTRA_MEMORY_BYTES") if override else available_bytes(device)
     if need > have:
-        best = largest_fitting(config, vocab_size, have, device.type, share or micro, params)
+        best = largest_fitting(config, vocab_size, have - extra, device.type, share or micro, params)
         advice = (f"set {what}.micro_batch = {best} (accumulation makes up the batch)" if best else
                   "no micro-batch of this model fits: use a device with more memory")
+        held = f"; {extra / 2**30:.2f} GiB of it {extra_what}" if extra else ""
         raise ConfigError(f"{what}.micro_batch = {micro} rows of {config.corpus.max_seq_len} tokens needs about "
-                          f"{need / 2**30:.2f} GiB by the pre-flight estimate ({params / 1e6:.1f}M parameters), "
+                          f"{need / 2**30:.2f} GiB by the pre-flight estimate ({params / 1e6:.1f}M parameters{held}), "
                           f"but {source} is {have / 2**30:.2f} GiB; {advice}")
     return need
+
+
+def online_aux_need(corruptor, rows: int, seq_len: int, gpu: bool) -> float:
+    """What fast-online's frozen aux model (`common.corrupt.Corruptor`) adds to the trainer's peak: its weights
+    as loaded (with the head's bf16 copy on a GPU), and the corruption of a rank's `rows` of a batch, which its
+    reader does while the detector trains (the generation actor's terms, `generation_need`: a batch of up to
+    the corruptor's `batch_tokens` through the aux encoder, one sampling chunk, the rows' masking and labels;
+    on a GPU the device's share). The pre-flight reads the free memory after the aux model is loaded, so its
+    weights count twice there: a margin of their size (0.5 GB at base)."""
+    model = corruptor.model
+    head = getattr(corruptor, "head_weight", None)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if head is not None and all(head.data_ptr() != p.data_ptr() for p in model.parameters()):
+        weights += head.numel() * head.element_size()
+    host, device = generation_need(aux_shape(model, corruptor.vocab_size), corruptor.batch_tokens, seq_len,
+                                   rows * seq_len, 1, corruptor.mask_prob, gpu=gpu)
+    return weights + (device if gpu else host - GEN_FIXED)
 
 
 # --- generation actors -----------------------------------------------------------------------------------

@@ -47,6 +47,42 @@ def test_trainer_runs_the_fast_online_objective(built, generated, tmp_path, env_
     assert "val_auc" in records[-1] and "fast-online from" in result.stdout
 
 
+def test_fast_onlines_pre_flight_counts_its_aux_model_before_any_row_is_corrupted(built, generated, tmp_path,
+                                                                                 env_with_repo):
+    """fast-online keeps its frozen aux model beside the detector and corrupts each batch with it: a device with
+    room for the detector's training but not for that too is refused before any work, naming the aux model
+    (it passed the check and ran out of memory at the first batch or the validation rows)."""
+    import subprocess
+    import sys
+    from common.config import config_from_dict, config_to_dict, dump_toml
+    from common.corrupt import Corruptor
+    from common.memory import estimate_peak_bytes, online_aux_need
+    from tests.conftest import ROOT
+    from train.trainer import accumulation
+    values = config_to_dict(load_manifest(generated[0]))
+    values["train"].update(objective="fast-online", max_steps=2)
+    config = config_from_dict(values)
+    corruptor = Corruptor.from_config(built.aux_dir / AUX_FILE, config.seed, config.generate, built.corpus_dir)
+    tc = config.train
+    micro, _ = accumulation(tc.batch_size, 1, tc.micro_batch, "train")  # as the trainer makes it, one rank
+    detector = estimate_peak_bytes(config, corruptor.vocab_size, micro, "cpu", accumulating=micro < tc.batch_size)
+    aux = online_aux_need(corruptor, tc.batch_size, config.corpus.max_seq_len, gpu=False)
+    assert aux > 0, aux  # the estimates are the trainer's own, so a room between them tells the two apart
+    (tmp_path / "m.toml").write_text(dump_toml(config))
+
+    def train(room: float):
+        return subprocess.run([sys.executable, "-m", "train", "--manifest", str(tmp_path / "m.toml"), "--out",
+                               str(tmp_path / f"run-{room:.0f}"), "--corpus", str(built.corpus_dir), "--aux",
+                               str(built.aux_dir / AUX_FILE)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**env_with_repo, "FAST_ELECTRA_MEMORY_BYTES": str(int(room))})
+    refused = train(detector + aux / 2)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "fast-online's aux model" in refused.stderr + refused.stdout, refused.stderr[-3000:]
+    assert not (tmp_path / f"run-{detector + aux / 2:.0f}" / "metrics.jsonl").exists()
+    ran = train(1.02 * (detector + aux))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+
+
 def test_each_rank_corrupts_on_its_own_gpu_named_by_index(built, generated, monkeypatch):
     """fast-online and electra under several GPUs: the frozen aux model also runs on the trainer's reader
     thread, where a bare "cuda" means cuda:0 (torch.cuda.set_device holds for the thread that called it), so
@@ -58,7 +94,7 @@ def test_each_rank_corrupts_on_its_own_gpu_named_by_index(built, generated, monk
     from train.trainer import open_streams
     seen = []
 
-    def called(config, corpus_dir, aux_path, device, corrupt=True):
+    def called(config, corpus_dir, aux_path, device, corrupt=True, loaded=None):
         seen.append((device, corrupt))
         raise RuntimeError("stopped at the call")
 

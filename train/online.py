@@ -81,10 +81,12 @@ class RowsInMemory:
         return {k: v[start:stop] for k, v in self.data.items()}
 
 
-def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: str, corrupt: bool = True) -> tuple:
+def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: str, corrupt: bool = True,
+                   loaded=None) -> tuple:
     """(training stream, validation rows at T = 1, vocab size, data key) for `fast-online`, or with
     corrupt=False for `electra` (original training rows; validation rows still from the frozen aux
-    model at T = 1, so every objective is scored on the same held-out rows)."""
+    model at T = 1, so every objective is scored on the same held-out rows). `loaded(corruptor)`: called once
+    the aux model is loaded, before any row is corrupted (the trainer's memory pre-flight)."""
     meta = load_corpus_meta(corpus_dir)
     aux = read_aux_meta(aux_path)
     check_aux_matches_tokenizer(aux, aux_path, meta["vocab_size"], meta["tokenizer_sha256"], corpus_dir / "tokenizer.model")
@@ -93,6 +95,8 @@ def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: 
                                  f"{meta['max_seq_len']}, the manifest {config.tokenizer.vocab_size} / {config.corpus.max_seq_len}")
     g = config.generate
     corruptor = Corruptor.from_config(aux_path, config.seed, g, corpus_dir, device=device)
+    if loaded is not None:
+        loaded(corruptor)
     stream = OnlineStream(config, corpus_dir, corruptor if corrupt else None)
     valid_rows = SplitRows(corpus_dir, "valid")
     count = min(g.valid_rows, len(valid_rows)) if g.valid_rows else len(valid_rows)

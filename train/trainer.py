@@ -37,7 +37,7 @@ from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
 from common.io import FolderLock, atomic_write_json, atomic_write_text, parse_jsonl, remove_stale_tmp
 from common.storage import is_remote, location
-from common.memory import peak_rss_bytes, preflight
+from common.memory import online_aux_need, peak_rss_bytes, preflight
 from common.model import ReplacedTokenDetector, count_parameters
 from common.shards import MANIFEST_FILE, PLAN_FILE
 from common.optim import build_optimizer, build_scheduler
@@ -101,9 +101,10 @@ def known_vocab(config: RunConfig, args) -> int | None:
     return None
 
 
-def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
+def open_streams(config: RunConfig, args, device: torch.device, aux_loaded=None) -> tuple:
     """(training stream, validation rows, vocabulary size, replaced-token prior, data key, data description,
-    the sha256 of the tokenizer the data was made with)."""
+    the sha256 of the tokenizer the data was made with). `aux_loaded(corruptor)`: for the online objectives,
+    called once their aux model is loaded, before it corrupts any row."""
     objective_name = config.train.objective
     corpus_dir = corpus_folder(config, args)
     if objective_name != "fast-offline":
@@ -126,7 +127,8 @@ def open_streams(config: RunConfig, args, device: torch.device) -> tuple:
     aux_path = local_aux(location(args.aux) if getattr(args, "aux", None) else config.aux_dir / AUX_FILE)
     # the rank's own GPU by index: the corruptor also runs on the reader thread, whose current device is cuda:0
     stream, valid, vocab_size, manifest_hash = online_streams(config, corpus_dir, aux_path, str(device),
-                                                              corrupt=objective_name == "fast-online")
+                                                              corrupt=objective_name == "fast-online",
+                                                              loaded=aux_loaded)
     prior = config.generate.mask_prob  # nearly every masked position is replaced (shards: ~0.99)
     return (stream, valid, vocab_size, prior, manifest_hash, f"{objective_name} from {corpus_dir} (validation rows by "
             f"{aux_path})", load_corpus_meta(corpus_dir)["tokenizer_sha256"])
@@ -288,7 +290,14 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
                            share=tc.batch_size // world)
     if vocab_hint := known_vocab(config, args):
         check_memory(vocab_hint)
-    stream, valid, vocab_size, prior, manifest_hash, data_desc, tokenizer_sha256 = open_streams(config, args, device)
+
+    def aux_checked(corruptor):  # fast-online: its frozen aux model stays beside the detector, corrupting each batch
+        nonlocal check_memory
+        need = online_aux_need(corruptor, tc.batch_size // world, config.corpus.max_seq_len, device.type == "cuda")
+        check_memory = partial(check_memory, beside=(need, "fast-online's aux model and its corruption of a batch"))
+        check_memory(corruptor.vocab_size)
+    stream, valid, vocab_size, prior, manifest_hash, data_desc, tokenizer_sha256 = open_streams(
+        config, args, device, aux_checked if tc.objective == "fast-online" else None)
     if vocab_size != vocab_hint:
         check_memory(vocab_size)
     # train.verify_shards: this rank's shards' sha256 too, while the model is built and the step-0 evaluation
