@@ -6,7 +6,6 @@ cannot be read back is ignored by `latest_checkpoint`, never trusted.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pickle
 import re
 from pathlib import Path

@@ -15,7 +15,6 @@ A split's row i is row i - row_start of the part whose range holds it.
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import resource
 import sys

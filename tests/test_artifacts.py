@@ -12,7 +12,7 @@ import pytest
 
 from common.io import FolderLock, FolderLocked
 from corpus.build import build_corpus, corpus_is_current
-from tests.conftest import ROOT, descendants, run_ranks, signal_all, tiny_config, write_text_corpus
+from tests.conftest import ROOT, run_ranks, signal_all, tiny_config, write_text_corpus
 from train.__main__ import SLOW_ENV
 
 HOLD = "import sys, time; from common.io import FolderLock; FolderLock(sys.argv[1], 'a test writer').acquire(); " \

@@ -216,8 +216,6 @@ def test_the_estimate_counts_what_triton_adds_to_a_cpu_process():
     installed (the `test` extra; torch's CUDA builds): the pre-flight's runtime counts it, TRITON_BYTES, measured
     here again as the peak RSS of that import with Triton importable over without (fresh processes)."""
     import importlib.util
-    import subprocess
-    import sys
     from common import memory
     if importlib.util.find_spec("triton") is None:
         assert memory.runtime_bytes("cpu") == memory.RUNTIME_BYTES["cpu"]

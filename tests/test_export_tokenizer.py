@@ -96,7 +96,7 @@ def test_an_hf_tokenizer_with_a_file_the_export_writes_itself_is_refused(built, 
 def _hf_corpus_tokenizer(built, tmp_path):
     """A corpus folder's hf: tokenizer (a RoBERTa-style one made here), as common/hf.py builds and opens it."""
     import json
-    from common.hf import HFTokenizer, build_tokenizer
+    from common.hf import build_tokenizer
     from common.tokenizer import META_FILE
     from tests.test_hf import make_tokenizer
     lines = corpus_texts(built, 200)
