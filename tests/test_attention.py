@@ -135,16 +135,21 @@ def _interpreter_works() -> bool:
         return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
 
 
-@pytest.mark.skipif(not attention.available(), reason="Triton is not installed (the test extra installs it)")
-def test_kernels_compute_attention_with_the_bias_gradient_and_the_dropout_they_say():
+def interpreted(function: str) -> dict:
+    """This module's `function()` in a process of its own under Triton's interpreter (TRITON_INTERPRET=1 is read
+    when the kernels are defined), its JSON result; skips where the interpreter cannot run here."""
     if not _interpreter_works():
         pytest.skip("this Triton's interpreter does not run with this numpy (Triton >= 3.7 does)")
-    code = "import json, tests.test_attention as t; print(json.dumps(t.interpreted_checks()))"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    code = f"import json, tests.test_attention as t; print(json.dumps(t.{function}()))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    checks = json.loads(result.stdout.splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not attention.available(), reason="Triton is not installed (the test extra installs it)")
+def test_kernels_compute_attention_with_the_bias_gradient_and_the_dropout_they_say():
+    checks = interpreted("interpreted_checks")
     edges = checks["edges"]
     assert edges["empty_row"] == {"out_zero": True, "grads_zero": True, "finite": True}, edges
     assert edges["expanded_grad_error"] < 1e-5, edges
@@ -278,13 +283,7 @@ def test_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones_once(monkeypatch)
 
 @pytest.mark.skipif(not attention.available(), reason="Triton is not installed (the test extra installs it)")
 def test_the_tile_sweep_reports_a_refused_tile_instead_of_timing_its_fallback():
-    if not _interpreter_works():
-        pytest.skip("this Triton's interpreter does not run with this numpy (Triton >= 3.7 does)")
-    code = "import json, tests.test_attention as t; print(json.dumps(t.tile_sweep_with_a_refusal()))"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    r = json.loads(done.stdout.strip().splitlines()[-1])
+    r = interpreted("tile_sweep_with_a_refusal")
     assert r["timed"] == ["bwd (64, 64, 4, 3)", "fwd (64, 64, 4, 3)"], r
     assert list(r["errors"]) == ["fwd (128, 64, 8, 3)"] and "fallback" in r["errors"]["fwd (128, 64, 8, 3)"], r
     assert r["best_fwd"] == [64, 64, 4, 3] and r["fitted_after"] == 0, r
