@@ -79,11 +79,15 @@ LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m train.launch --standalone --n
 # object storage, in WORK). Ctrl-C or a failed trainer stops the generator too; rerunning resumes both. A generator
 # stopped that way did not fail (its exit code then is Ray's: 15, 134 or 143): only one that ended by itself is told.
 GEN_LOG := $(if $(findstring ://,$(DATA_DIR)),$(WORK)/generate.log,$(patsubst %/,%,$(DATA_DIR)).generate.log)
+# Beside the trainer the generator runs one actor a GPU whatever [generate] actors_per_gpu says (base: 4, for
+# `make generate-epochs` alone): the trainer shares each GPU with it, four actors' memory (~30 GiB at base) beside
+# the trainer's would not fit a 40 GB card, and one actor already writes faster than the trainer reads.
 # SIGUSR1 (README: a run's stacks) must not end this recipe's shell, whose command line names the trainer too
 train: aux
 	@trap ':' USR1; mkdir -p $(dir $(GEN_LOG)); \
 	echo "--- make train, $$(date '+%F %T')" >> $(GEN_LOG); \
-	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --out $(DATA_DIR) $(if $(WORKERS),--workers $(WORKERS)) \
+	$(PY) -m generate --manifest $(MANIFEST) $(SETS) --set generate.actors_per_gpu=1 --out $(DATA_DIR) \
+	    $(if $(WORKERS),--workers $(WORKERS)) \
 	    >> $(GEN_LOG) 2>&1 & gen=$$!; \
 	trap 'kill $$gen 2>/dev/null; exit 130' INT TERM; \
 	echo "generate: writing $(DATA_DIR) in the background (log: $(GEN_LOG)); the trainer follows it"; \

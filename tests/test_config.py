@@ -167,6 +167,22 @@ def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path
         assert "rm -rf" not in dry.stdout
 
 
+def test_make_train_generates_beside_its_trainer_with_one_actor_a_gpu():
+    """base asks 4 generation actors a GPU (`make generate-epochs` alone: 1.7x one's speed); `make train`'s
+    generator shares each GPU with the trainer, so it runs one whatever the manifest says (a dry run: on a CPU
+    machine the setting is not used, so what make passes is the behaviour to check)."""
+    import subprocess
+    from common.config import load_manifest
+    assert load_manifest(ROOT / "manifests" / "base.toml").generate.actors_per_gpu == 4
+    def generator_lines(target: str) -> list[str]:
+        dry = subprocess.run(["make", "-n", target, "MANIFEST=manifests/base.toml"], cwd=ROOT, capture_output=True,
+                             text=True)
+        return [line for line in dry.stdout.splitlines() if "-m generate " in line]
+    beside, alone = generator_lines("train"), generator_lines("generate-epochs")
+    assert len(beside) == 1 and "--set generate.actors_per_gpu=1" in beside[0], beside
+    assert len(alone) == 1 and "actors_per_gpu" not in alone[0], alone
+
+
 def test_make_targets_after_the_shards_use_the_work_folder_of_your_corpus(tmp_path):
     """`CORPUS=` (and `AUX=`) give everything made from them a work folder of its own: the targets that read
     shards, the corpus or the aux model (sweep, plots, finetune-floor) pass it on, as train does (a dry run)."""
