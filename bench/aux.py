@@ -87,10 +87,10 @@ def probe(manifest: str, seq_len: int, batch: int, micro: int, steps: int, layer
         from common.corrupt import Corruptor
         from common.memory import online_aux_need
         from common.model import MaskedLM
-        tmp = tempfile.mkdtemp(prefix="bench-aux-")
+        tmp = tempfile.TemporaryDirectory(prefix="bench-aux-")  # removed when this process ends
         aux_layers = config.aux.num_layers
-        path = save_aux(MaskedLM(config.model, vocab, aux_layers), config.model, aux_layers, vocab, "synthetic", tmp,
-                        {"steps": 0})
+        path = save_aux(MaskedLM(config.model, vocab, aux_layers), config.model, aux_layers, vocab, "synthetic",
+                        tmp.name, {"steps": 0})
         corruptor = Corruptor(path, config.seed, config.generate.mask_prob, config.generate.batch_tokens)
         aux_need = online_aux_need(corruptor, batch, seq_len, gpu=False)
     t0, losses = time.time(), []
