@@ -670,9 +670,12 @@ def measure_fused_tiles(config, rows: int, repeats: int = 10, device: torch.devi
                             device_seconds(fwd, 2, device)
                             out["fwd_ms"][key] = 1e3 * statistics.median(device_seconds(fwd, repeats, device))
                     ran = {kind: tiles for (kind, *_, asked), tiles in A._fitted.items() if tiles != asked}
-                    if ran:  # the GPU's shared memory refused the tile: what was timed was a fallback
+                    swept = "forward" if which == "fwd" else "backward"
+                    if swept in ran:  # the GPU's shared memory refused the tile: what was timed was a fallback
                         out["fwd_bwd_ms"].pop(key), out["fwd_ms"].pop(key, None)
-                        out["errors"][key] = f"shared memory: ran the fallback tiles {ran}"
+                        out["errors"][key] = f"shared memory: ran the fallback tiles {ran[swept]}"
+                    elif ran:  # the other kernel's committed tiles fell back: the same for every tile of this sweep
+                        out.setdefault("notes", {})[key] = f"the other kernel ran its fallback tiles {ran}"
                 except Exception as e:  # noqa: BLE001 -- a tile the GPU refuses (shared memory) is a result too
                     out["errors"][key] = f"{type(e).__name__}: {e}"[:300]
     finally:

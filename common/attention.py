@@ -198,7 +198,10 @@ def _with_tiles(key: tuple, measured: tuple, fallbacks: tuple, launch) -> None:
     before the kernel runs) with the first of `fallbacks` that fits; the tiles that fit are remembered per `key`."""
     key = (*key, measured)
     if key in _fitted:
-        return launch(_fitted[key])
+        try:  # remembered; but another variant of the kernel (dropout on or off, a length off the tiles) is
+            return launch(_fitted[key])  # compiled apart and may need more shared memory
+        except OutOfResources:
+            del _fitted[key]
     for tiles in (measured, *fallbacks):
         try:
             launch(tiles)

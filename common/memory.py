@@ -179,7 +179,9 @@ def preflight(config: RunConfig, vocab_size: int, micro: int, device: torch.devi
     if need > have:
         best = largest_fitting(config, vocab_size, have - extra, device.type, share or micro, params)
         advice = (f"set {what}.micro_batch = {best} (accumulation makes up the batch)" if best else
-                  "no micro-batch of this model fits: use a device with more memory")
+                  "no micro-batch of this model fits: use a device with more memory" + (
+                      " or more ranks, or a smaller [generate] batch_tokens (the aux model corrupts each rank's rows"
+                      " of a batch in batches of that many tokens)" if extra else ""))
         held = f"; {extra / 2**30:.2f} GiB of it {extra_what}" if extra else ""
         raise ConfigError(f"{what}.micro_batch = {micro} rows of {config.corpus.max_seq_len} tokens needs about "
                           f"{need / 2**30:.2f} GiB by the pre-flight estimate ({params / 1e6:.1f}M parameters{held}), "
@@ -193,7 +195,7 @@ def online_aux_need(corruptor, rows: int, seq_len: int, gpu: bool) -> float:
     reader does while the detector trains (the generation actor's terms, `generation_need`: a batch of up to
     the corruptor's `batch_tokens` through the aux encoder, one sampling chunk, the rows' masking and labels;
     on a GPU the device's share). The pre-flight reads the free memory after the aux model is loaded, so its
-    weights count twice there: a margin of their size (0.5 GB at base)."""
+    weights count twice there: a margin of their size (0.5 GB at base, 0.7 with a GPU's bf16 head)."""
     model = corruptor.model
     head = getattr(corruptor, "head_weight", None)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

@@ -94,9 +94,28 @@ def edge_checks(device="cpu") -> dict:
             "opcheck": {name: result for name, result in checks.items()}}
 
 
+def fallback_checks() -> list[dict]:
+    """`compare` with each of the fallback tiles a GPU short of shared memory takes (`FWD_FALLBACK`, `BWD_FALLBACK`,
+    paired in turn), on a padded length off every tile with dropout."""
+    A, out = attention, []
+    kept = (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
+            A.BWD_STAGES)
+    try:
+        for i, bwd in enumerate(A.BWD_FALLBACK):
+            fwd = A.FWD_FALLBACK[min(i, len(A.FWD_FALLBACK) - 1)]
+            (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES), (A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
+                                                                        A.BWD_STAGES) = fwd, bwd
+            out.append({"tiles": [fwd, bwd], **compare(1, 2, 40, 16, 0.2, True, torch.float32, "cpu")})
+    finally:
+        (A.FWD_BLOCK_M, A.FWD_BLOCK_N, A.FWD_WARPS, A.FWD_STAGES, A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS,
+         A.BWD_STAGES) = kept
+    return out
+
+
 def interpreted_checks() -> dict:
     """Run in a process of its own with TRITON_INTERPRET=1 (read when the kernels are defined)."""
-    return {"shapes": [compare(*shape, torch.float32, "cpu") for shape in SHAPES], "edges": edge_checks()}
+    return {"shapes": [compare(*shape, torch.float32, "cpu") for shape in SHAPES], "edges": edge_checks(),
+            "fallbacks": fallback_checks()}
 
 
 def tile_sweep_with_a_refusal() -> dict:
@@ -165,6 +184,9 @@ def test_kernels_compute_attention_with_the_bias_gradient_and_the_dropout_they_s
             assert abs(r["neighbours_agree"] - (shape[4] ** 2 + (1 - shape[4]) ** 2)) < 0.03, (shape, r)
         else:
             assert r["keep_fraction"] == 1.0
+    assert len(checks["fallbacks"]) == len(attention.BWD_FALLBACK)
+    for r in checks["fallbacks"]:  # the smaller tiles compute the same function, dropout mask included
+        assert max(r["out"], r["dqkv"], r["dbias"]) < 1e-5 and r["finite"], r
 
 
 def test_the_fused_kernel_takes_gpu_training_calls_only():

@@ -48,7 +48,7 @@ def test_trainer_runs_the_fast_online_objective(built, generated, tmp_path, env_
 
 
 def test_fast_onlines_pre_flight_counts_its_aux_model_before_any_row_is_corrupted(built, generated, tmp_path,
-                                                                                 env_with_repo):
+                                                                                 env_with_repo, monkeypatch):
     """fast-online keeps its frozen aux model beside the detector and corrupts each batch with it: a device with
     room for the detector's training but not for that too is refused before any work, naming the aux model
     (it passed the check and ran out of memory at the first batch or the validation rows)."""
@@ -74,13 +74,22 @@ def test_fast_onlines_pre_flight_counts_its_aux_model_before_any_row_is_corrupte
         return subprocess.run([sys.executable, "-m", "train", "--manifest", str(tmp_path / "m.toml"), "--out",
                                str(tmp_path / f"run-{room:.0f}"), "--corpus", str(built.corpus_dir), "--aux",
                                str(built.aux_dir / AUX_FILE)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**env_with_repo, "FAST_ELECTRA_MEMORY_BYTES": str(int(room))})
+                              env={**env_with_repo, "FAST_ELECTRA_MEMORY_BYTES": str(int(room)),
+                                   "CUDA_VISIBLE_DEVICES": ""})  # the CPU, whose estimates these are
     refused = train(detector + aux / 2)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "fast-online's aux model" in refused.stderr + refused.stdout, refused.stderr[-3000:]
     assert not (tmp_path / f"run-{detector + aux / 2:.0f}" / "metrics.jsonl").exists()
     ran = train(1.02 * (detector + aux))
     assert ran.returncode == 0, ran.stderr[-3000:]
+    # the check comes once the aux model is loaded, before it corrupts a row (the validation rows come first)
+    corrupted, real = [], Corruptor.__call__
+    monkeypatch.setattr(Corruptor, "__call__",
+                        lambda self, *a, **k: (corrupted.append(len(a[0])), real(self, *a, **k))[1])
+    seen = []
+    online_streams(config, built.corpus_dir, built.aux_dir / AUX_FILE, "cpu",
+                   loaded=lambda corruptor: seen.append(list(corrupted)))
+    assert seen == [[]] and corrupted, (seen, corrupted)
 
 
 def test_each_rank_corrupts_on_its_own_gpu_named_by_index(built, generated, monkeypatch):
