@@ -296,6 +296,15 @@ def test_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones_once(monkeypatch)
     assert tried == [(64, 64, 4, 2)]  # remembered: no second failed compile
     attention._with_tiles(("backward", 64, torch.bfloat16, "cuda:0"), (64, 32, 4, 2), attention.BWD_FALLBACK, launch)
     assert tried[-1] == (64, 32, 4, 2)  # another head dim, tiles that fit: taken as they are
+    tried.clear()
+
+    def tighter(tiles):  # another variant of the kernel (dropout on, say), compiled apart, needing more
+        tried.append(tiles)
+        if tiles[0] * tiles[1] * tiles[3] > 32 * 64 * 2:
+            raise OutOfResources(280576, 232448, "shared memory")
+    attention._with_tiles(("backward", 128, torch.bfloat16, "cuda:0"), measured, attention.BWD_FALLBACK, tighter)
+    assert tried == [(64, 64, 4, 2), measured, (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2)], tried
+    assert attention._fitted[("backward", 128, torch.bfloat16, "cuda:0", measured)] == (32, 64, 4, 2)
 
     def never(tiles):
         raise OutOfResources(1 << 20, 232448, "shared memory")
