@@ -101,8 +101,10 @@ train: aux
 
 # Only reads the shards: the generator runs only for the default folder without a manifest.json. A DATA= given
 # is taken as it is (one without shards is an error: a mistyped path must not start a generation there).
+# The default run (make train's) stands for the grid's combination with its settings, if it finished on them.
 sweep: setup $(if $(DATA),,$(DATA_DIR)/manifest.json)
-	$(PY) -m experiments.sweep --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC)
+	$(PY) -m experiments.sweep --manifest $(MANIFEST) $(SETS) --data $(DATA_DIR) --out $(SWEEP_DIR) --nproc $(NPROC) \
+	    --reuse $(RUN_DIR)
 
 $(DATA_DIR)/manifest.json:
 	$(MAKE) generate-epochs MANIFEST=$(MANIFEST) DATA=$(DATA_DIR)

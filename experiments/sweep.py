@@ -1,6 +1,7 @@
 """`make sweep`: several trainer configs over the same dumped shards, then one summary table.
 
-    python -m experiments.sweep --manifest PATH [--data DIR] [--out DIR] [--nproc N] [--set KEY=VALUE ...]
+    python -m experiments.sweep --manifest PATH [--data DIR] [--out DIR] [--nproc N] [--reuse RUN_DIR ...]
+                                [--set KEY=VALUE ...]
 
 The grid is the manifest's [sweep.train] table (key = [values]); every combination
 is one run, trained by the ordinary trainer (torchrun for --nproc > 1) on the shards in --data.
@@ -10,6 +11,8 @@ manifest by the trainer). Output folder:
     sweep.json, sweep.md        final validation metrics per config
 Rerunning resumes unfinished runs and skips those finished on these shards with these settings; a
 finished run of other shards or settings is handed to the trainer, whose --resume refuses it, naming why.
+A --reuse folder (`make sweep` gives the default run's) holding a run finished on these shards with a
+combination's settings stands for that combination: it is not trained again.
 """
 from __future__ import annotations
 
@@ -88,16 +91,22 @@ def summary_table(rows: list[dict], grid_keys: list[str]) -> str:
     return "\n".join(lines)
 
 
-def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=print) -> list[dict]:
+def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=print,
+          reuse: tuple[Path, ...] = ()) -> list[dict]:
+    """Every combination of the grid trained on the shards in `data_dir` (or one of `reuse`'s finished runs that
+    has its settings on these shards), then sweep.json and sweep.md in `out_dir`."""
     _, fingerprint = load_data_manifest(data_dir, config)  # no shards, no sweep: fail before any run
     runs = expand_grid(config)
     log(f"sweep: {len(runs)} configs over the shards in {data_dir} (data fingerprint {fingerprint[:12]})")
     rows = []
     for i, (name, point, run_config) in enumerate(runs):
         run_dir = out_dir / name
+        same = next((r for r in reuse if finished(r, run_config, fingerprint)), None)
+        if same is not None and not finished(run_dir, run_config, fingerprint):
+            run_dir = same  # e.g. make train's own run, when the grid holds the manifest's values
         summary_path = run_dir / "summary.json"
         if finished(run_dir, run_config, fingerprint):
-            log(f"sweep: [{i + 1}/{len(runs)}] {name} already finished")
+            log(f"sweep: [{i + 1}/{len(runs)}] {name} already finished" + (f" in {run_dir}" if run_dir == same else ""))
             code = 0
         else:  # new, unfinished, or finished on other shards or settings (--resume refuses those, naming why)
             log(f"sweep: [{i + 1}/{len(runs)}] {name} -> {run_dir}")
@@ -123,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default=None, help="generated shards (default: WORK_DIR/epochs)")
     parser.add_argument("--out", default=None, help="sweep folder (default: WORK_DIR/sweeps/NAME)")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per run")
+    parser.add_argument("--reuse", action="append", default=[], metavar="RUN_DIR",
+                        help="a finished run that stands for the combination with its settings on these shards")
     args = parser.parse_args(argv)
     if args.nproc < 1:  # before any run is launched
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
@@ -130,7 +141,7 @@ def main(argv=None) -> int:
         config = load_manifest(args.manifest, args.sets)
         data_dir = location(args.data) if args.data else config.epochs_dir
         out_dir = location(args.out) if args.out else location(config.work_dir) / "sweeps" / config.name
-        rows = sweep(config, data_dir, out_dir, args.nproc)
+        rows = sweep(config, data_dir, out_dir, args.nproc, reuse=tuple(location(r) for r in args.reuse))
     except Interrupted as e:  # the next run would start at once: the sweep stops with its trainer
         print(f"sweep: {e}", file=sys.stderr)
         return 130

@@ -154,3 +154,31 @@ def test_a_diverged_run_is_never_the_best_and_an_unfinished_summary_is_no_finish
     for steps, planned, done in ((8, 8, True), (5, 8, False)):  # a run cut short (a deadline) is not finished
         (run / "summary.json").write_text(json.dumps({"data_fingerprint": "f", "steps": steps, "planned_steps": planned}))
         assert finished(run, config, "f") is done
+
+
+def test_a_finished_run_given_to_reuse_stands_for_the_combination_with_its_settings(generated, tmp_path, monkeypatch):
+    """`make sweep` passes the default run (`--reuse`): where it finished on these shards with one combination's
+    settings (make train's own run and the grid's value of the manifest's lr), that combination is not trained
+    again; a run of other settings is not taken for one. (The trainer is not under test: its calls are counted.)"""
+    import experiments.sweep as sweep_module
+    from train.data import load_data_manifest
+    manifest, data, _ = generated
+    sweep_manifest, values = _sweep_manifest(manifest, tmp_path)
+    config = load_manifest(sweep_manifest)
+    _, fingerprint = load_data_manifest(data, config)
+
+    def finished_run(folder, lr):  # what a finished trainer leaves: its resolved settings and its summary
+        folder.mkdir(parents=True)
+        run_values = {**values, "train": {**values["train"], "lr": lr}}
+        (folder / "resolved_manifest.toml").write_text(dump_toml(config_from_dict(run_values)))
+        (folder / "summary.json").write_text(json.dumps({"data_fingerprint": fingerprint, "steps": 6,
+                                                         "planned_steps": 6, "end": {"auc": 0.7, "loss": 0.3}}))
+        return folder
+    default, other = finished_run(tmp_path / "default", 1e-3), finished_run(tmp_path / "other", 2e-3)
+    trained = []
+    monkeypatch.setattr(sweep_module, "run_one", lambda run_dir, *a: (trained.append(run_dir.name), 1)[1])
+    rows = sweep_module.sweep(config, data, tmp_path / "sweep", 1, log=lambda *_: None, reuse=(other, default))
+    assert trained == ["lr=0.004"], trained  # lr=0.001 is the default run's; 0.004 is no one's
+    assert [(r["grid"], r["status"], r["run_dir"]) for r in rows] == [
+        ({"lr": 1e-3}, "done", str(default)), ({"lr": 4e-3}, "failed (exit 1)", str(tmp_path / "sweep" / "lr=0.004"))]
+    assert not (tmp_path / "sweep" / "lr=0.001").exists()
