@@ -213,6 +213,13 @@ def _with_tiles(key: tuple, measured: tuple, fallbacks: tuple, launch) -> None:
                        f"for {key[0]} at head dim {key[1]}")
 
 
+def _compiled_args(tiles: tuple, L: int, D: int, p_drop: float) -> dict:
+    """A kernel launch's compile-time arguments for `tiles` (BLOCK_M, BLOCK_N, warps, stages)."""
+    block_m, block_n, warps, stages = tiles
+    return dict(D=D, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=p_drop > 0.0,
+                EVEN=L % block_m == 0 and L % block_n == 0, num_warps=warps, num_stages=stages)
+
+
 def _dropout_args(p_drop: float) -> tuple[int, float]:
     """(threshold, scale): a probability is dropped where 16 random bits fall under round(p * 2^16), so the
     rate is p to 1 / 2^16 (0.1 drops 6,554 / 65,536 = 0.100006), and kept ones are scaled by 1 / (1 - that rate)."""
@@ -228,15 +235,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
     lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
     sbb = bias.stride(0) if bias.shape[0] > 1 else 0
 
-    def launch(tiles):
-        block_m, block_n, warps, stages = tiles
-        _forward_kernel[(_blocks(L, block_m), B * H)](
+    def launch(tiles):  # a program per BLOCK_M queries
+        _forward_kernel[(_blocks(L, tiles[0]), B * H)](
             q, k, v, bias, o, lse, seed,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), sbb, bias.stride(1), bias.stride(2),
             o.stride(0), o.stride(1), o.stride(2), H, L, 1.0 / math.sqrt(D), *_dropout_args(p_drop),
-            D=D, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=p_drop > 0.0, EVEN=L % block_m == 0 and L % block_n == 0,
-            num_warps=warps, num_stages=stages)
+            **_compiled_args(tiles, L, D, p_drop))
     _with_tiles(("forward", D, q.dtype, q.device), (FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, FWD_STAGES), FWD_FALLBACK,
                 launch)
     return o, lse
@@ -261,15 +266,13 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ds = torch.empty((B, H, L, L), dtype=q.dtype, device=q.device)
     sbb = bias.stride(0) if bias.shape[0] > 1 else 0
 
-    def launch(tiles):
-        block_m, block_n, warps, stages = tiles
-        _backward_kernel[(_blocks(L, block_n), B * H)](
+    def launch(tiles):  # a program per BLOCK_N keys
+        _backward_kernel[(_blocks(L, tiles[1]), B * H)](
             q, k, v, bias, do, lse, delta, dk, dv, ds, seed,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), sbb, bias.stride(1), bias.stride(2),
             do.stride(0), do.stride(1), do.stride(2), H, L, 1.0 / math.sqrt(D), *_dropout_args(p_drop),
-            D=D, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=p_drop > 0.0, EVEN=L % block_m == 0 and L % block_n == 0,
-            num_warps=warps, num_stages=stages)
+            **_compiled_args(tiles, L, D, p_drop))
     _with_tiles(("backward", D, q.dtype, q.device), (BWD_BLOCK_M, BWD_BLOCK_N, BWD_WARPS, BWD_STAGES), BWD_FALLBACK,
                 launch)
     dq = torch.empty_like(dk)  # contiguous, as the fake says, whatever layout k has

@@ -101,12 +101,14 @@ def sweep(config: RunConfig, data_dir: Path, out_dir: Path, nproc: int, log=prin
     rows = []
     for i, (name, point, run_config) in enumerate(runs):
         run_dir = out_dir / name
-        same = next((r for r in reuse if finished(r, run_config, fingerprint)), None)
-        if same is not None and not finished(run_dir, run_config, fingerprint):
-            run_dir = same  # e.g. make train's own run, when the grid holds the manifest's values
+        done, where = finished(run_dir, run_config, fingerprint), ""
+        if not done:  # e.g. make train's own run, when the grid holds the manifest's values
+            same = next((r for r in reuse if finished(r, run_config, fingerprint)), None)
+            if same is not None:
+                run_dir, done, where = same, True, f" in {same}"
         summary_path = run_dir / "summary.json"
-        if finished(run_dir, run_config, fingerprint):
-            log(f"sweep: [{i + 1}/{len(runs)}] {name} already finished" + (f" in {run_dir}" if run_dir == same else ""))
+        if done:
+            log(f"sweep: [{i + 1}/{len(runs)}] {name} already finished{where}")
             code = 0
         else:  # new, unfinished, or finished on other shards or settings (--resume refuses those, naming why)
             log(f"sweep: [{i + 1}/{len(runs)}] {name} -> {run_dir}")
