@@ -27,6 +27,9 @@ In one run:
   decide_rss_8x_vs_1x       peak RSS of the corpus driver's decision (exact duplicates, the held-out split) over
                             32M documents' hashes against 4M, a tenth of them copies (target <= 1.2); beside
                             it the same for every hash at once, the way before 2026-11-25
+  listing_rss_4x_vs_1x      peak RSS of the corpus driver listing, keying and cutting into work units a source
+                            of 400,000 small .txt files against 100,000 (target <= 1.2): the listing sorted
+                            in runs on disk, the units written to a file
   generation_preflight_max_error  a CPU generation actor's estimated peak (`common.memory.generation_need`)
                             against the rise of its RSS over one shard, five shapes (two at base width and
                             vocabulary; rows whose batches are padded, one with rows of mixed lengths): the
@@ -385,31 +388,62 @@ def decide_memory(tmp: Path) -> dict:
     return {"decide_rss_8x_vs_1x": ratio("buckets"), "decide_rss_8x_vs_1x_whole": ratio("whole"), "decide_runs": runs}
 
 
+def listing_probe(source: str, cache: str, units_path: str) -> dict:
+    """In this (fresh) process: what the corpus driver does with a source's files before any worker starts
+    (`corpus.build._build`): list them (`source_files`), key them (`build_key`), write the work units
+    (`write_units`); the peak of its RSS (VmHWM, reset once the imports are done) over the RSS before."""
+    from common.sources import source_files, work_units, write_units
+    from corpus.build import build_key
+    config = load_manifest(BASE)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    before, t0 = _proc_bytes("/proc/self/status", "VmRSS"), time.time()
+    files = source_files(source, cache)
+    build_key(config, files)
+    units = write_units(work_units(files, int(config.corpus.unit_mb * 2**20)), units_path)
+    return {"files": len(files), "units": len(units), "before_bytes": before, "peak_bytes": _proc_bytes("/proc/self/status", "VmHWM"),
+            "seconds": time.time() - t0}
+
+
+def listing_memory(tmp: Path) -> dict:
+    """The corpus driver's listing of 400,000 one-line .txt files (1,000 a folder) against 100,000."""
+    runs = {}
+    for times in (1, 4):
+        folder = tmp / f"listing-{times}x"
+        for i in range(100_000 * times):
+            if i % 1000 == 0:
+                (folder / f"d{i // 1000:04d}").mkdir(parents=True)
+            (folder / f"d{i // 1000:04d}" / f"doc-{i:07d}.txt").write_text(f"document {i}\n")
+        runs[f"{times}x"] = run_probe("listing", str(folder), str(tmp), str(tmp / "units.jsonl"))
+        shutil.rmtree(folder)
+    return {"listing_rss_4x_vs_1x": runs["4x"]["peak_bytes"] / runs["1x"]["peak_bytes"], "listing_runs": runs}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--parts", default="driver,read,start,corpus,documents,decide,preflight,generation",
+    parser.add_argument("--parts", default="driver,read,start,corpus,documents,decide,listing,preflight,generation",
                         help="which figures to measure (the others are kept from the last scale.json)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         kind, *rest = json.loads(args.probe)
-        print(json.dumps({"plan": plan_probe, "read": read_probe, "decide": decide_probe,
+        print(json.dumps({"plan": plan_probe, "read": read_probe, "decide": decide_probe, "listing": listing_probe,
                           "generation": generation_probe}[kind](*rest)))
         return 0
     out = Path(args.out)
     parts = set(args.parts.split(","))
-    every = {"driver", "read", "start", "corpus", "documents", "decide", "preflight", "generation"}
+    every = {"driver", "read", "start", "corpus", "documents", "decide", "listing", "preflight", "generation"}
     result = json.loads((out / "scale.json").read_text()) if parts != every else {}
     result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{machine()}, Python {platform.python_version()}, torch {importlib.metadata.version('torch')}"})
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for name, measure in (("driver", driver_memory), ("read", rank_reading), ("start", start_time),
                               ("corpus", corpus_memory), ("documents", corpus_documents_memory),
-                              ("decide", decide_memory), ("preflight", preflight_error),
+                              ("decide", decide_memory), ("listing", listing_memory), ("preflight", preflight_error),
                               ("generation", generation_preflight_error)):
             if name in parts:
-                result.update(measure(Path(tmp)) if name in ("read", "start", "corpus", "documents", "decide")
-                              else measure())
+                result.update(measure(Path(tmp)) if name in ("read", "start", "corpus", "documents", "decide",
+                                                             "listing") else measure())
     atomic_write_json(out / "scale.json", result)
     result = json.loads(json.dumps(result))  # keys as the file has them, whether measured now or kept
     md = ["# make bench-scale", "", f"{result['date']}, {result['machine']}.", "",
@@ -443,6 +477,12 @@ def main(argv=None) -> int:
           f"every hash at once as before: {result['decide_rss_8x_vs_1x_whole']:.3f}, "
           f"{result['decide_runs']['8x']['whole']['rss_bytes'] / 2**20:.0f} / "
           f"{result['decide_runs']['1x']['whole']['rss_bytes'] / 2**20:.0f} MB) | <= 1.2 |",
+          *([f"| corpus driver's listing, key and work units, peak RSS, 400,000 source files / 100,000 "
+             f"(`listing_rss_4x_vs_1x`) | {result['listing_rss_4x_vs_1x']:.3f} "
+             f"({result['listing_runs']['4x']['peak_bytes'] / 2**20:.0f} / "
+             f"{result['listing_runs']['1x']['peak_bytes'] / 2**20:.0f} MB; "
+             f"{result['listing_runs']['4x']['before_bytes'] / 2**20:.0f} MB before) | <= 1.2 |"]
+            if "listing_rss_4x_vs_1x" in result else []),
           "", "Pre-flight shapes (objective, layers x width, vocabulary, tokens, rows / micro-batch: estimate / measured):", ""]
     md += [f"- {r['objective']}, {r['layers']} x {r['hidden']}, {r['vocab']}, {r['seq_len']}, {r['batch']} / {r['micro']}: "
            f"{r['estimate_bytes'] / 2**20:.0f} / {r['peak_rss_bytes'] / 2**20:.0f} MB ({r['estimate_over_measured']:.3f})"

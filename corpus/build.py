@@ -37,9 +37,9 @@ from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atom
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
                        tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
-from common.sources import (SUFFIXES, CorpusError, SourceFile, SourceUnreadable, WorkUnit, blocks, check_unchanged,
-                            document_hash, paragraphs,
-                            read_unit, source_files, work_units)
+from common.sources import (SUFFIXES, CorpusError, LeftOut, SourceUnreadable, UnitRef, WorkUnit, blocks,
+                            check_unchanged, document_hash, paragraphs, read_unit, source_files, work_units,
+                            write_units)
 from common import hf
 from common.parallel import NodeProblem
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
@@ -65,10 +65,24 @@ def valid_mask(hashes: np.ndarray, valid_fraction: float) -> np.ndarray:
     return np.asarray(hashes, dtype=np.uint64) < np.uint64(threshold)
 
 
-def build_key(config: RunConfig, files: list[SourceFile]) -> str:
+def build_key(config: RunConfig, files) -> str:
     """What a corpus's bytes depend on: every source file (name, size, modification time), the
-    [corpus] and [tokenizer] settings, the seed and the format."""
-    blob = {"format": CORPUS_FORMAT, "files": [[f.name, f.size, f.mtime_ns] for f in files],
+    [corpus] and [tokenizer] settings, the seed and the format: the SHA-256 of `key_blob` as JSON with the
+    files' list in it, hashed as the files come (an iterable, read once), not held."""
+    head, tail = json.dumps(key_blob(config), sort_keys=True).split(json.dumps(_FILES_HERE))
+    digest = hashlib.sha256(head.encode() + b"[")
+    for i, f in enumerate(files):
+        digest.update((", " if i else "").encode() + json.dumps([f.name, f.size, f.mtime_ns]).encode())
+    digest.update(b"]" + tail.encode())
+    return digest.hexdigest()
+
+
+_FILES_HERE = "<the source files>"  # where key_blob's "files" go
+
+
+def key_blob(config: RunConfig) -> dict:
+    """build_key's inputs but the files ("files" holds a placeholder)."""
+    blob = {"format": CORPUS_FORMAT, "files": _FILES_HERE,
             "corpus": {k: v for k, v in config_to_dict(config)["corpus"].items() if k != "source"},
             "tokenizer": config_to_dict(config)["tokenizer"], "seed": config.seed}
     source = hf.hf_dir(config.aux.source)
@@ -80,7 +94,7 @@ def build_key(config: RunConfig, files: list[SourceFile]) -> str:
         # built before read it as the special token: their bytes differ, so they are rebuilt
         blob["tokenizer"] = {"hf": hf.tokenizer_sha256(source), "max_sentences": config.tokenizer.max_sentences,
                              "max_sample_mb": config.tokenizer.max_sample_mb, "split_special_tokens": True}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    return blob
 
 
 # --- the two passes over a unit (run in Ray workers; pure functions of their arguments) ---------
@@ -319,8 +333,8 @@ def _write_names(writer, names: list) -> None:
 
 # --- the driver ---------------------------------------------------------------
 
-def _on_node(fn, staging: str, unit: WorkUnit, *args):
-    """`fn(unit, *args)` in a Ray worker, once it sees the build's staging folder, which it reads and writes
+def _on_node(fn, staging: str, unit: UnitRef, *args):
+    """`fn(unit, *args)` (the unit loaded from its ref) in a Ray worker, once it sees the build's staging folder, which it reads and writes
     (the scan's hashes, the decision's masks, the tokenizer, the parts): on a node that does not, one line
     naming the node and the folder, not a FileNotFoundError after the scan pass."""
     if not (Path(staging) / "key.json").is_file():
@@ -329,10 +343,10 @@ def _on_node(fn, staging: str, unit: WorkUnit, *args):
                           f"{socket.gethostname()}: every node must see it at the same path (a shared file system). "
                           f"With an object-storage --out the build is staged in the driver's cache: set "
                           f"FAST_ELECTRA_CACHE to a folder all nodes share, or build on one machine (no --address)")
-    return fn(unit, *args)
+    return fn(unit.load(), *args)
 
 
-def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: str | None, desc: str,
+def _run_on_ray(fn, jobs: list[tuple[UnitRef, tuple]], workers: int, address: str | None, desc: str,
                 on_result, staging: Path) -> None:
     """`fn(unit, *args)` for every job on Ray workers, results handed to `on_result` as they finish;
     a progress bar in MB/s with an ETA. One local worker runs the jobs in this process: the same
@@ -345,7 +359,7 @@ def _run_on_ray(fn, jobs: list[tuple[WorkUnit, tuple]], workers: int, address: s
     if workers == 1 and not address:
         with tqdm(total=sum(u.bytes for u, _ in jobs), desc=desc, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
             for unit, args in jobs:
-                on_result(fn(unit, *args))
+                on_result(fn(unit.load(), *args))
                 bar.update(unit.bytes)
         return
     start_ray(address, workers, (SLOW_ENV,))
@@ -498,7 +512,7 @@ class _SortedIndices:
         self.file.close()
 
 
-def _decide(units: list[WorkUnit], scan_dir: Path, valid_fraction: float, bucket_docs: int = 0,
+def _decide(units: list[UnitRef], scan_dir: Path, valid_fraction: float, bucket_docs: int = 0,
             chunk_docs: int = UNIT_CHUNK_DOCS) -> Decision:
     """Which documents to keep (the first of each hash, in unit order) and which are held out (by hash), at
     least one document on each side of the split; duplicates. In memory bounded by a bucket, not the corpus:
@@ -696,15 +710,11 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     out_dir = Path(out_dir)
     t_start = time.time()
     check_hf_aux(config)
-    ignored: list[str] = []
+    ignored = LeftOut()
     files = source_files(source, cache_dir=out_dir.parent / "downloads", ignored=ignored)
-    if ignored:  # a .zst or .bz2 among them is text this build does not read: said, not silently left out
-        log(f"corpus: note: {len(ignored)} file(s) in {source} are not of a kind read here ({', '.join(SUFFIXES)}) "
-            f"and are left out: {', '.join(sorted(ignored)[:5])}{', ...' if len(ignored) > 5 else ''}")
-    units = work_units(files, max(1, int(cfg.unit_mb * 2**20)))
-    total_bytes = sum(u.bytes for u in units)
-    if not total_bytes:
-        raise CorpusError(f"corpus source {source} holds no text: its {len(files)} file(s) are empty")
+    if ignored.count:  # a .zst or .bz2 among them is text this build does not read: said, not silently left out
+        log(f"corpus: note: {ignored.count} file(s) in {source} are not of a kind read here ({', '.join(SUFFIXES)}) "
+            f"and are left out: {', '.join(ignored.names)}{', ...' if ignored.count > len(ignored.names) else ''}")
     key = build_key(config, files)
     staging = out_dir.with_name(f".{out_dir.name}.staging")
     if staging.is_dir() and _staged_key(staging) != (key, SOURCE_READER):
@@ -712,6 +722,12 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     staging.mkdir(parents=True, exist_ok=True)
     for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
         remove_stale_tmp(folder)
+    # the units on disk, a line each: the driver holds their sizes and offsets, not every source file
+    units = write_units(work_units(files, max(1, int(cfg.unit_mb * 2**20))), staging / "units.jsonl")
+    total_bytes = sum(u.bytes for u in units)
+    if not total_bytes:
+        shutil.rmtree(staging)
+        raise CorpusError(f"corpus source {source} holds no text: its {len(files)} file(s) are empty")
     atomic_write_json(staging / "key.json", {"key": key, "reader": SOURCE_READER})
     if (staging / CORPUS_META).is_file():  # killed between finishing and publishing
         _publish(staging, out_dir)
@@ -734,7 +750,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         tok = _train_tokenizer(scans, decision, config, staging, log)
         seconds["tokenizer"] = time.time() - t_start - sum(seconds.values())
         del scans  # the tokenizer sample is no longer needed
-        return _pack_and_publish(config, source, files, units, decision, tok, staging, out_dir,
+        return _pack_and_publish(config, source, key, len(files), units, decision, tok, staging, out_dir,
                                  workers, address, t_start, seconds, log, skipped)
     except SourceUnreadable as e:  # maybe passing (a network file system): the same command continues
         raise SourceUnreadable(f"{e}; the work done so far is kept in {staging}: if the read failed in passing "
@@ -751,9 +767,9 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
             ray.shutdown()  # the Ray this build started (a caller's own Ray is left running)
 
 
-def _pack_and_publish(config, source, files, units, decision: Decision, tok, staging, out_dir, workers,
-                      address, t_start, seconds, log, skipped: int) -> Path:
-    cfg, key, total_bytes = config.corpus, build_key(config, files), sum(u.bytes for u in units)
+def _pack_and_publish(config, source, key: str, source_count: int, units: list[UnitRef], decision: Decision, tok,
+                      staging, out_dir, workers, address, t_start, seconds, log, skipped: int) -> Path:
+    cfg, total_bytes = config.corpus, sum(u.bytes for u in units)
 
     progress, hashed = _read_progress(staging), []
     done = {u: r for u, r in progress.items()
@@ -782,7 +798,7 @@ def _pack_and_publish(config, source, files, units, decision: Decision, tok, sta
 
     meta = {
         "format_version": FORMAT_VERSION, "corpus_format": CORPUS_FORMAT, "build_key": key, "source": source,
-        "source_files": len(files), "source_bytes": total_bytes, "units": len(units),
+        "source_files": source_count, "source_bytes": total_bytes, "units": len(units),
         "max_seq_len": cfg.max_seq_len, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256,
         **({} if tok.reserved == Reserved() else {"reserved_ids": dataclasses.asdict(tok.reserved)}),
         "documents": {"read": decision.documents, "duplicates": decision.duplicates,

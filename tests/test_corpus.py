@@ -18,7 +18,8 @@ import pytest
 
 from common.corpus import SplitRows, load_corpus_meta, load_split
 from common.shards import CORPUS_SCHEMA, read_parquet
-from common.sources import CorpusError, Piece, read_unit, source_files, strip_gutenberg, work_units
+from common.sources import (CorpusError, LeftOut, Piece, read_unit, source_files, strip_gutenberg, work_units,
+                            write_units)
 from common.tokenizer import CLS_ID, SEP_ID, Tokenizer
 from corpus.build import SLOW_ENV, build_corpus, corpus_is_current, pack_document
 from tests.conftest import ROOT, dump_toml, tiny_config, write_text_corpus
@@ -63,7 +64,7 @@ def test_every_format_is_read_as_a_stream_and_large_jsonl_is_cut_at_line_starts(
     (src / "ignored.csv").write_text("not, a, corpus")
     files = source_files(str(src), tmp_path / "cache")
     assert [f.name for f in files] == ["a.txt", "c.jsonl", "d.jsonl.gz", "deep/b.txt.gz", "e.parquet"]
-    units = work_units(files, unit_bytes=500)  # c.jsonl (~3 KB) in byte ranges, e.parquet by row groups
+    units = list(work_units(files, unit_bytes=500))  # c.jsonl (~3 KB) in byte ranges, e.parquet by row groups
     assert len(units) > 5 and any(p.start > 0 for u in units for p in u.pieces if p.file.name == "c.jsonl")
     texts = [d.text for u in units for d in read_unit(u, "text")]
     expected = (["plain text one"] + [json.loads(l)["text"].strip() for l in lines] + ["gz json", "gz json 2"]
@@ -92,7 +93,7 @@ def test_a_binary_file_is_refused_naming_it(tmp_path, content, message):
 def test_a_malformed_jsonl_line_is_refused_naming_file_and_line(tmp_path, line, message):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "one"}\n{"text": "two"}\n' + line + "\n")
-    units = work_units(source_files(str(path), tmp_path), unit_bytes=10)  # the bad line in a later range
+    units = list(work_units(source_files(str(path), tmp_path), unit_bytes=10))  # the bad line in a later range
     assert len(units) > 1
     with pytest.raises(CorpusError, match=message):
         [d for u in units for d in read_unit(u, "text")]
@@ -109,7 +110,7 @@ def test_a_plain_jsonl_is_read_once_and_bad_lines_in_later_ranges_are_named_by_l
     lines = [f'{{"text": "document {i}"}}' for i in range(3000)]
     lines[2500], lines[2900] = '{"text": 1}', "{broken"
     path.write_text("\n".join(lines) + "\n")
-    units = work_units(source_files(str(path), tmp_path), unit_bytes=20_000)
+    units = list(work_units(source_files(str(path), tmp_path), unit_bytes=20_000))
     assert len(units) > 3
     skipped = []
     docs = [d for u in units for d in read_unit(u, "text", skipped)]
@@ -578,7 +579,7 @@ def test_a_large_plain_txt_is_cut_into_units_at_line_starts(tmp_path):
     lines = [f"line {i} " + "word " * (i % 7) for i in range(3000)]
     path = tmp_path / "big.txt"
     path.write_text("\n".join(lines) + "\n")
-    units = work_units(source_files(str(path), tmp_path), 8192)
+    units = list(work_units(source_files(str(path), tmp_path), 8192))
     assert len(units) > 5
     docs = [d for u in units for d in read_unit(u, "text")]
     assert len(docs) == len(units) and docs[1].name.startswith("big.txt:")
@@ -858,6 +859,70 @@ def test_a_lone_surrogate_in_jsonl_text_becomes_the_replacement_character(tmp_pa
     assert all(d.encode("utf-8") for d in docs)
 
 
+def test_a_long_listing_is_sorted_on_disk_read_again_and_keyed_as_the_whole_list(tmp_path, monkeypatch):
+    """Past LISTING_RUN files a listing is sorted in runs on disk and merged (past LISTING_FAN_IN runs, the runs
+    so far into one): in the names' order (`a-b.txt` before `a/...` before `a0.txt`: '-' < '/' < '0'), read as
+    often as asked, keyed as the JSON of the whole list was (corpora built before stay current), its runs gone
+    with it."""
+    import gc
+    from common import sources
+    from corpus.build import build_key, key_blob
+    monkeypatch.setattr(sources, "LISTING_RUN", 7)
+    monkeypatch.setattr(sources, "LISTING_FAN_IN", 3)
+    raw = tmp_path / "raw"
+    names = [f"{folder}/doc-{i:02d}.txt" for folder in ("b", "a", "a/deep", "c d") for i in range(12)]
+    names += ["a-b.txt", "a0.txt", "a.txt", "z.jsonl"]
+    for i, name in enumerate(names):
+        (raw / name).parent.mkdir(parents=True, exist_ok=True)
+        (raw / name).write_text(f"document {i}")
+    files = source_files(str(raw), tmp_path)
+    assert [f.name for f in files] == sorted(names) and len(files) == len(names) == 52
+    assert [f.name for f in files] == sorted(names)  # a second read
+    assert len(files.runs) <= 3 and any("merged" in run for run in files.runs)  # 8 runs of 7, merged twice
+    config = tiny_config(tmp_path)
+    whole = {**key_blob(config), "files": [[f.name, f.size, f.mtime_ns] for f in files]}
+    assert build_key(config, files) == hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()
+    folder = Path(files.runs[0]).parent
+    del files
+    gc.collect()
+    assert not folder.exists()
+
+
+def test_the_drivers_listing_of_4x_the_files_peaks_at_the_memory_of_1x(tmp_path, monkeypatch):
+    """The corpus driver's listing, key and work units (`source_files`, `build_key`, `write_units`) of 4,000
+    small files against 1,000, runs and units of at most 125: tracemalloc's peak stays flat. The control, runs
+    and units unbounded (every file held, as the driver did: 4-6 GB for 10M files), rises with the files."""
+    import tracemalloc
+    from common import sources
+    from corpus.build import build_key
+    config = tiny_config(tmp_path)
+    monkeypatch.setattr(sources, "LISTING_FAN_IN", 4)  # the runs' read buffers (~10 KB each) outweigh runs of 125
+    for n in (1000, 4000):
+        folder = tmp_path / f"raw-{n}"
+        for i in range(n):
+            if i % 250 == 0:
+                (folder / f"d{i // 250:02d}").mkdir(parents=True)
+            (folder / f"d{i // 250:02d}" / f"doc-{i:05d}.txt").write_text(f"document {i}")
+
+    def peak(n, bound):
+        monkeypatch.setattr(sources, "LISTING_RUN", bound)
+        monkeypatch.setattr(sources, "MAX_UNIT_PIECES", bound)
+        tracemalloc.start()
+        try:
+            files = source_files(str(tmp_path / f"raw-{n}"), tmp_path)
+            build_key(config, files)
+            units = write_units(work_units(files, 1 << 30), tmp_path / "units.jsonl")
+            assert len(files) == n and len(units) == (n // bound if bound < n else 1)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    peak(1000, 125)  # once before: a first call's own allocations (caches, imports) are not the listing's
+    bounded, held = peak(4000, 125) / peak(1000, 125), peak(4000, 1 << 30) / peak(1000, 1 << 30)
+    print(f"driver listing 4x/1x: {bounded:.3f}, every file held {held:.3f}")
+    assert bounded <= 1.2 and held >= 2.5, (bounded, held)
+
+
 def test_a_source_folder_is_read_through_its_links_and_what_it_leaves_out_is_said(tmp_path):
     """A folder of links into shared storage (rglob did not enter linked folders: those files were left out
     without a word), a link back up the tree read once, and files of other kinds named in the build's note."""
@@ -868,10 +933,10 @@ def test_a_source_folder_is_read_through_its_links_and_what_it_leaves_out_is_sai
     (raw / "back").symlink_to(raw, target_is_directory=True)
     (raw / "more.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
     (raw / "gone.txt").symlink_to(tmp_path / "nothing.txt")
-    ignored = []
+    ignored = LeftOut()
     names = [f.name for f in source_files(str(raw), tmp_path, ignored)]
     assert names == sorted(names) and len(names) == 5 and sum(n.startswith("linked/") for n in names) == 2
-    assert sorted(ignored) == ["gone.txt (a link to nothing)", "more.jsonl.zst"]
+    assert ignored.count == 2 and ignored.names == ["gone.txt (a link to nothing)", "more.jsonl.zst"]
     said = []
     config = tiny_config(tmp_path)
     build_corpus(config, config.corpus_dir, log=said.append)
@@ -937,9 +1002,9 @@ def test_a_ray_worker_that_does_not_see_the_staging_folder_stops_the_pass_with_o
     from common.parallel import NodeProblem
     from corpus.build import _run_on_ray, scan_unit
     write_text_corpus(tmp_path / "raw", num_docs=3)
-    units = work_units(source_files(str(tmp_path / "raw"), tmp_path), 1 << 10)
     staging = tmp_path / ".corpus.staging"  # as the driver's machine has it; this worker sees no key.json there
     (staging / "scan").mkdir(parents=True)
+    units = write_units(work_units(source_files(str(tmp_path / "raw"), tmp_path), 1 << 10), staging / "units.jsonl")
     jobs = [(u, (str(staging / "scan" / f"unit-{u.index:05d}.npy"), "text", 7, 0.2, 10)) for u in units]
     results = []
     try:
