@@ -888,6 +888,25 @@ def test_a_long_listing_is_sorted_on_disk_read_again_and_keyed_as_the_whole_list
     assert not folder.exists()
 
 
+def test_a_source_folder_that_cannot_be_read_is_refused_naming_it(tmp_path, monkeypatch):
+    """os.walk left a folder it could not list out of the corpus without a word (its files missing from
+    every later stage); the listing stops naming it. (The tests run as root, whom permissions do not stop:
+    the system's refusal is made here.)"""
+    raw = write_text_corpus(tmp_path / "raw", num_docs=2)
+    (raw / "locked").mkdir()
+    (raw / "locked" / "doc.txt").write_text("a document nobody may read")
+    scandir = os.scandir
+
+    def refusing(path):
+        if isinstance(path, (str, os.PathLike)) and Path(path).name == "locked":
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    with pytest.raises(CorpusError, match=r"corpus source folder .*raw/locked cannot be read: .*Permission denied"):
+        source_files(str(raw), tmp_path)
+
+
 def test_the_drivers_listing_of_4x_the_files_peaks_at_the_memory_of_1x(tmp_path, monkeypatch):
     """The corpus driver's listing, key and work units (`source_files`, `build_key`, `write_units`) of 4,000
     small files against 1,000, runs and units of at most 125: tracemalloc's peak stays flat. The control, runs
