@@ -2,10 +2,11 @@
 
 A source is one file or a folder tree of `.txt` / `.txt.gz` (one document per file), `.jsonl` /
 `.jsonl.gz` (one document per line, in its `text_column` field) and `.parquet` (one per row).
-`source_files` lists it, `work_units` cuts it into units that workers read independently (small
-files grouped, large `.jsonl` files cut into byte ranges, Parquet files into row groups), and
-`read_unit` yields a unit's documents one at a time, cleaned. Nothing here holds more than one
-document (or one Parquet batch) in memory. Input that is not text stops with a CorpusError that
+`source_files` lists it (sorted on disk, `SourceList`), `work_units` cuts it into units that workers
+read independently (small files grouped, large `.jsonl` files cut into byte ranges, Parquet files into
+row groups), `write_units` puts them in a file for the workers, and `read_unit` yields a unit's documents
+one at a time, cleaned. Nothing here holds more than one document (or one Parquet batch), a run of the
+listing or a unit's pieces in memory. Input that is not text stops with a CorpusError that
 names the file (and the line or row).
 """
 from __future__ import annotations
