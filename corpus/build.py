@@ -1,6 +1,6 @@
 """`make corpus`: raw text -> tokenizer + packed sequences, streamed and parallel on Ray.
 
-The source is cut into work units (`common.sources.work_units`) and read twice, each time by
+The source is cut into work units (`common.sources.write_units`) and read twice, each time by
 Ray workers unit by unit, so memory does not grow with the corpus:
 1. scan: each document's keyed hash (exact duplicates, and its train / validation split) and a
    seeded sample of paragraphs for the tokenizer, in proportion to the unit's bytes;
@@ -38,8 +38,7 @@ from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atom
                        tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (SUFFIXES, CorpusError, LeftOut, SourceUnreadable, UnitRef, WorkUnit, blocks,
-                            check_unchanged, document_hash, paragraphs, read_unit, source_files, work_units,
-                            write_units)
+                            check_unchanged, document_hash, paragraphs, read_unit, source_files, write_units)
 from common import hf
 from common.parallel import NodeProblem
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
@@ -644,6 +643,7 @@ def _train_tokenizer(scans, decision: Decision, config: RunConfig, staging: Path
 # one version and packed by another would index different documents (2: .txt.gz in documents, cleaned JSONL
 # and Parquet text, Windows-1252, long lines cut; 2026-11-26). A published corpus keeps its bytes and its key.
 SOURCE_READER = 2
+UNITS_FILE = "units.jsonl"  # the build's work units (`common.sources.write_units`), in its staging folder
 
 
 def _staged_key(staging: Path) -> tuple | None:
@@ -722,12 +722,6 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     staging.mkdir(parents=True, exist_ok=True)
     for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
         remove_stale_tmp(folder)
-    # the units on disk, a line each: the driver holds their sizes and offsets, not every source file
-    units = write_units(work_units(files, max(1, int(cfg.unit_mb * 2**20))), staging / "units.jsonl")
-    total_bytes = sum(u.bytes for u in units)
-    if not total_bytes:
-        shutil.rmtree(staging)
-        raise CorpusError(f"corpus source {source} holds no text: its {len(files)} file(s) are empty")
     atomic_write_json(staging / "key.json", {"key": key, "reader": SOURCE_READER})
     if (staging / CORPUS_META).is_file():  # killed between finishing and publishing
         _publish(staging, out_dir)
@@ -736,10 +730,17 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     import ray
     ray_was_running = ray.is_initialized()
     try:
+        # the units on disk, a piece a line: the driver holds their sizes and offsets, not the source's files
+        units = write_units(files, max(1, int(cfg.unit_mb * 2**20)), staging / UNITS_FILE)
+        source_count = len(files)
+        del files  # and the listing's runs (TMPDIR) with it: hours of a build need none of it
+        total_bytes = sum(u.bytes for u in units)
+        if not total_bytes:
+            raise CorpusError(f"corpus source {source} holds no text: its {source_count} file(s) are empty")
         if not workers:  # none asked, joining a cluster: one per core of it
             from common.parallel import cluster_size
             workers = cluster_size(address, "CPU")
-        log(f"corpus: {len(files)} files, {total_bytes / 1e6:.1f} MB from {source!r} in {len(units)} units "
+        log(f"corpus: {source_count} files, {total_bytes / 1e6:.1f} MB from {source!r} in {len(units)} units "
             f"on {workers} worker(s)")
         _warm_up(workers, address)
         seconds = {"start": time.time() - t_start}
@@ -750,7 +751,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         tok = _train_tokenizer(scans, decision, config, staging, log)
         seconds["tokenizer"] = time.time() - t_start - sum(seconds.values())
         del scans  # the tokenizer sample is no longer needed
-        return _pack_and_publish(config, source, key, len(files), units, decision, tok, staging, out_dir,
+        return _pack_and_publish(config, source, key, source_count, units, decision, tok, staging, out_dir,
                                  workers, address, t_start, seconds, log, skipped)
     except SourceUnreadable as e:  # maybe passing (a network file system): the same command continues
         raise SourceUnreadable(f"{e}; the work done so far is kept in {staging}: if the read failed in passing "
@@ -839,6 +840,7 @@ def _publish(staging: Path, out_dir: Path) -> None:
     if (staging / "scan").is_dir():
         shutil.rmtree(staging / "scan")
     (staging / "progress.jsonl").unlink(missing_ok=True)
+    (staging / UNITS_FILE).unlink(missing_ok=True)  # every source file's path: the build's, not the corpus's
     # every part is recorded and in place: a temporary left now is a stray writer's (a worker of a killed
     # build that outlived its driver for a moment, seen once in the kill -9 test), not part of the corpus
     for folder in (staging, *(p for p in staging.iterdir() if p.is_dir())):
