@@ -169,6 +169,12 @@ def _open_parts_allowed() -> int:
     """Parts a split may keep open: an eighth of this process's file limit (two files a part, a generator
     actor's two splits, and room for everything else), the soft limit first raised to the hard one (up to
     Docker's default hard limit, 2^20: 131,072 parts, 8 TB of text at unit_mb 64)."""
+    return max(8, file_limit() // 8)
+
+
+def file_limit() -> int:
+    """This process's limit of open files, the soft limit first raised to the hard one (up to
+    MAX_FILE_LIMIT)."""
     wanted = MAX_FILE_LIMIT
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     unlimited = lambda n: n == resource.RLIM_INFINITY
@@ -179,7 +185,7 @@ def _open_parts_allowed() -> int:
             soft = raised
         except (ValueError, OSError):
             pass
-    return max(8, (wanted if unlimited(soft) else soft) // 8)
+    return wanted if unlimited(soft) else soft
 
 
 def npy_chunks(path: str | Path, chunk: int = 1 << 22):

@@ -31,7 +31,8 @@ import numpy as np
 import pyarrow as pa
 
 from common.config import RunConfig, config_to_dict, dump_toml
-from common.corpus import CORPUS_FORMAT, CORPUS_META, NpyAppender, load_corpus_meta, npy_chunks, npy_header, term_counts
+from common.corpus import (CORPUS_FORMAT, CORPUS_META, NpyAppender, file_limit, load_corpus_meta, npy_chunks,
+                           npy_header, term_counts)
 from common.storage import cache_folder, is_remote, location
 from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atomic_write_json, atomic_write_text,
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
@@ -434,6 +435,7 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
 # (hash, document index) pairs of the dedup buckets; a bucket holds about this many documents
 PAIR = np.dtype([("hash", "<u8"), ("index", "<i8")])
 DEDUP_BUCKET_DOCS = 1 << 20  # 16 MB of pairs, as a unit's chunk of hashes (UNIT_CHUNK_DOCS)
+MAX_BUCKET_BITS = 12  # 4,096 buckets: 4G documents at DEDUP_BUCKET_DOCS (256 were 256M, a 1 TB corpus of 1 KB ones is 1G)
 
 
 @dataclasses.dataclass
@@ -526,8 +528,10 @@ def _decide(units: list[UnitRef], scan_dir: Path, valid_fraction: float, bucket_
     total = starts[-1]
     if not total:
         raise CorpusError("the corpus source holds no text (every document is empty)")
-    # at most 256 buckets: their files are open at once (past 1G documents a bucket holds more than bucket_docs)
-    bits = min(8, max(0, math.ceil(math.log2(total / (bucket_docs or DEDUP_BUCKET_DOCS)))))
+    # their files are open at once: at most a half of the process's file limit (at least 256) and 4,096 (past
+    # 4G documents, or 512M under a file limit of 1,024, a bucket holds more than bucket_docs)
+    allowed = min(MAX_BUCKET_BITS, max(8, int(math.log2(file_limit() // 2))))
+    bits = min(allowed, max(0, math.ceil(math.log2(total / (bucket_docs or DEDUP_BUCKET_DOCS)))))
     for stale in scan_dir.glob("bucket-*"):
         stale.unlink()
     pairs_paths = [scan_dir / f"bucket-{b:05d}.pairs" for b in range(1 << bits)]
@@ -566,7 +570,8 @@ def _decide(units: list[UnitRef], scan_dir: Path, valid_fraction: float, bucket_
     # too few documents for the fraction: the least hash held out; every one held out: the greatest trained on
     force = (lowest[1] if valid_total == 0 else -1, highest[1] if valid_total == kept_total else -1)
     decision = Decision(scan_dir, valid_fraction, total, starts[:-1], force, total - kept_total)
-    readers = [_SortedIndices(path.with_suffix(".kept")) for path in pairs_paths]
+    # read a chunk at a time: 32,768 indices a bucket up to 256 buckets, then 2^23 (64 MB) in all
+    readers = [_SortedIndices(path.with_suffix(".kept"), min(1 << 15, (1 << 23) >> bits)) for path in pairs_paths]
     try:
         for u, start in zip(units, starts):
             out, kept, held_out = NpyAppender(scan_dir / f"unit-{u.index:05d}.keep.npy", bool), 0, 0

@@ -745,15 +745,17 @@ def whole_corpus_rule(hashes: np.ndarray, valid_fraction: float) -> tuple[np.nda
     return keep, valid
 
 
-def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
+def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path, monkeypatch):
     """`_decide` holds one bucket of hashes at a time (not the corpus: ~10 GB at 1 TB) and gives every unit the
     keep and held-out masks of the rule applied to all hashes at once: 40 units of 0 to 1,500 documents, a
-    third of them copies of earlier ones (in the same unit or another), with 1, 2, 64 and 256 buckets, each unit
+    third of them copies of earlier ones (in the same unit or another), with 1, 2, 64 and 512 buckets, each unit
     read in one chunk or in several (a chunk's copies of another chunk of its unit found as copies across units
     are), at a held-out fraction of 0.2, 0 (the least hash forced out) and 1 (the greatest forced in); the masks
     read back in chunks of other sizes."""
     from types import SimpleNamespace
+    from corpus import build
     from corpus.build import UnitMasks, _decide
+    monkeypatch.setattr(build, "MAX_BUCKET_BITS", 9)  # 4,096 buckets cost the test 6 s more, no more checks
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 1500, 40)
     counts[[3, 17]] = 0
@@ -769,7 +771,7 @@ def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
         np.save(scan / f"unit-{u.index:05d}.npy", hashes[bounds[u.index]:bounds[u.index + 1]])
     for fraction in (0.2, 0.0, 1.0):
         keep, valid = whole_corpus_rule(hashes, fraction)
-        # bucket_docs 1: capped at 256 buckets
+        # bucket_docs 1: capped at 512 buckets (MAX_BUCKET_BITS)
         for bucket_docs, chunk_docs in ((1 << 22, 1 << 20), (len(hashes) // 2 + 1, 100), (len(hashes) // 64, 7),
                                         (1, 1000)):
             decision = _decide(units, scan, fraction, bucket_docs=bucket_docs, chunk_docs=chunk_docs)
@@ -792,6 +794,29 @@ def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path):
     np.save(scan / "unit-00001.npy", np.zeros(0, np.uint64))
     with pytest.raises(CorpusError, match="holds no text"):
         _decide(units, scan, 0.2)
+
+
+def test_the_decision_holds_a_bucket_of_the_size_asked_past_256_buckets(tmp_path, monkeypatch):
+    """A bucket's pairs are the decision's peak: 256 buckets at most left 4M documents a bucket at 1 TB of 1 KB
+    documents, more past it. 2^17 documents in buckets of 64 ask for 2,048 buckets: the largest holds about
+    64 (the pairs files' sizes as `_first_of_each` reads them), and the masks are the whole-corpus rule's."""
+    from types import SimpleNamespace
+    from corpus import build
+    rng = np.random.default_rng(1)
+    hashes = rng.integers(0, 2**64, 1 << 17, dtype=np.uint64)
+    hashes[1::5] = hashes[::5][:len(hashes[1::5])]  # copies
+    scan = tmp_path / "scan"
+    scan.mkdir()
+    units = [SimpleNamespace(index=u) for u in range(4)]
+    for u in units:
+        np.save(scan / f"unit-{u.index:05d}.npy", hashes[u.index << 15:(u.index + 1) << 15])
+    sizes, first_of_each = [], build._first_of_each
+    monkeypatch.setattr(build, "_first_of_each", lambda path, fraction: (sizes.append(path.stat().st_size // 16),
+                                                                         first_of_each(path, fraction))[1])
+    decision = build._decide(units, scan, 0.1, bucket_docs=64)
+    keep, valid = whole_corpus_rule(hashes, 0.1)
+    assert len(sizes) == 2048 and sum(sizes) <= len(hashes) and max(sizes) <= 2 * 64, (len(sizes), max(sizes))
+    assert sum(decision.kept) == keep.sum() and sum(decision.held_out) == (keep & valid).sum()
 
 
 def test_the_held_out_split_of_all_documents_at_once_is_the_one_by_one_rule():
