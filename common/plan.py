@@ -32,6 +32,15 @@ class StreamSpec:
     cfg: GenerateConfig
 
 
+def validation_rows(positions: np.ndarray, num_rows: int, count: int) -> np.ndarray:
+    """Row ids of validation positions `positions` of `count`: evenly spaced over the held-out split's
+    `num_rows` (all of them when `count` is). The split is in source order (unit by unit, a document's rows
+    together): its first rows were the first source files' documents alone, a corpus's first folder, say.
+    The generator's validation shard, the aux model's validation and the online objectives' all read these,
+    so every method is scored on the same rows."""
+    return np.asarray(positions, dtype=np.int64) * num_rows // max(count, 1)
+
+
 @dataclass(frozen=True)
 class ShardTask:
     """One unit of work: `count` rows of the corpus split from position `first` of epoch `epoch`'s
@@ -52,7 +61,7 @@ class ShardTask:
     def row_ids(self) -> np.ndarray:
         positions = np.arange(self.first, self.first + self.count, dtype=np.int64)
         if self.split == "valid":
-            return positions  # the first held-out rows, in order
+            return validation_rows(positions, self.spec.num_rows, self.spec.rows_per_epoch)
         return epoch_order(self.spec.num_rows, self.epoch, self.spec.seed)(positions)
 
     def curriculum(self) -> tuple[np.ndarray, np.ndarray | None]:
@@ -104,8 +113,9 @@ def stream_plan(num_train_rows: int, config: RunConfig) -> StreamPlan:
 # compiled as an inverse CDF by blocks of ids (`common.distributions.chunk_draws`; until 2026-11-26 step by step,
 # then compiled in one level, each rounding otherwise). Before the first two: a numpy permutation of the whole
 # split and masks per batch, and generation keys without this entry. Part of the generation key: shards drawn
-# one way are never taken for shards drawn the other.
-DRAWS_VERSION = "feistel-order, per-row-dropout, blocked-gpu-draws"
+# one way are never taken for shards drawn the other. Validation rows spread over the held-out split
+# (`validation_rows`) since 2026-11-27; before, its first rows.
+DRAWS_VERSION = "feistel-order, per-row-dropout, blocked-gpu-draws, spread-validation"
 
 
 def epoch_order(num_train_rows: int, epoch: int, seed: int, stream: int = GENERATOR_STREAM) -> "IndexPermutation":

@@ -126,3 +126,23 @@ def test_an_online_runs_data_key_names_the_device_kind_that_corrupts_its_batches
     former = lambda corrupt: hashlib.sha256(json.dumps({"online": "k", "corrupt": corrupt}).encode()).hexdigest()
     assert online_data_key("k", True, "cpu") == former(True) != online_data_key("k", True, "cuda")
     assert online_data_key("k", False, "cuda") == online_data_key("k", False, "cpu") == former(False)
+
+
+def test_every_validation_reads_the_same_rows_spread_over_the_held_out_split(built, generated):
+    """The generator's validation shard, the aux model's validation and the online objectives' read the same
+    held-out rows, spread over the split (its first rows were the first source files' documents alone)."""
+    import pyarrow.parquet as pq
+    from common.corpus import SplitRows
+    from train.mlm import valid_rows
+    manifest_path, data, _ = generated
+    config = load_manifest(manifest_path)
+    held_out = len(SplitRows(built.corpus_dir, "valid"))
+    count = config.generate.valid_rows
+    shards = np.concatenate([pq.read_table(p, columns=["row_id"]).column("row_id").to_numpy()
+                             for p in sorted((data / "valid").glob("shard-*.parquet"))])
+    assert count < held_out and len(shards) == count  # a part of the split: where spreading shows
+    assert shards[0] == 0 and shards[-1] >= held_out - held_out // count - 1 and np.all(np.diff(shards) > 0)
+    assert np.array_equal(valid_rows(built.corpus_dir, count).data["row_id"], shards)
+    assert np.array_equal(valid_rows(built.corpus_dir, config.aux.valid_rows).data["row_id"][:3],
+                          np.arange(3) * held_out // min(config.aux.valid_rows, held_out))
+

@@ -51,3 +51,17 @@ def test_the_trainer_refuses_a_stream_shorter_than_its_budget(generated, tmp_pat
                                         r"needs 80000"):
         trainer.train(args)
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_validation_shards_read_rows_spread_over_the_held_out_split():
+    """512 validation rows of 10,000 held out: every 19th or 20th row, in order, over the whole split (its
+    first 512 were the first source files' documents alone); all of them when it holds fewer."""
+    import dataclasses
+    config = tiny_config(ROOT / "unused")
+    cfg = dataclasses.replace(config.generate, valid_rows=512, rows_per_shard=100)
+    valid = [t for t in plan_tasks(40, 10_000, cfg, 7) if t.split == "valid"]
+    ids = np.concatenate([t.row_ids for t in valid])
+    assert len(valid) == 6 and len(ids) == 512 and ids[0] == 0 and ids[-1] >= 10_000 - 20
+    assert set(np.diff(ids).tolist()) == {19, 20}
+    few = np.concatenate([t.row_ids for t in plan_tasks(40, 300, cfg, 7) if t.split == "valid"])
+    assert np.array_equal(few, np.arange(300))

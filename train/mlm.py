@@ -27,7 +27,7 @@ from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import AUX_MLM_STREAM, VALID_EPOCH
 from common.memory import LOGIT_CHUNK_ENTRIES  # 2^26 fp32 logits (256 MiB): 524 positions at 128K entries
 from common.model import MaskedLM, at_positions
-from common.plan import epoch_order
+from common.plan import epoch_order, validation_rows
 from common.tokenizer import Reserved
 from train.objectives import MLM_INPUTS
 from train.online import RowsInMemory
@@ -98,9 +98,11 @@ def mlm_tensors(rows: dict, seed: int, mask_prob: float, reserved: Reserved = Re
 
 
 def valid_rows(corpus_dir: Path, count: int) -> RowsInMemory:
-    """The first `count` held-out rows, masked (by `mlm_tensors`) at the validation epoch."""
+    """`count` held-out rows spread over the split (`common.plan.validation_rows`), masked (by
+    `mlm_tensors`) at the validation epoch."""
     rows = SplitRows(corpus_dir, "valid")
-    ids = np.arange(min(count, len(rows)))
+    count = min(count, len(rows))
+    ids = validation_rows(np.arange(count), len(rows), count)
     return RowsInMemory({"input_ids": [rows[int(i)] for i in ids], "row_id": ids, "epoch": np.full(len(ids), VALID_EPOCH)})
 
 

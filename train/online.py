@@ -20,7 +20,7 @@ from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, r
 from common.config import RunConfig
 from common.corpus import SplitRows, load_corpus_meta
 from common.curriculum import VALID_EPOCH
-from common.plan import epoch_curriculum, epoch_order, generation_key, stream_plan
+from common.plan import epoch_curriculum, epoch_order, generation_key, stream_plan, validation_rows
 from common.corrupt import Corruptor
 
 
@@ -100,10 +100,10 @@ def online_streams(config: RunConfig, corpus_dir: Path, aux_path: Path, device: 
     stream = OnlineStream(config, corpus_dir, corruptor if corrupt else None)
     valid_rows = SplitRows(corpus_dir, "valid")
     count = min(g.valid_rows, len(valid_rows)) if g.valid_rows else len(valid_rows)
-    ids = np.arange(count)
+    ids = validation_rows(np.arange(count), len(valid_rows), count)  # the generator's validation shard's rows
     corrupted = corruptor([valid_rows[int(i)] for i in ids], ids, VALID_EPOCH, np.ones(count))
     valid = RowsInMemory({"input_ids": corrupted["input_ids"], "labels": [l.astype(bool) for l in corrupted["labels"]],
-                          "temperature": np.ones(count, np.float32), "stream_index": ids})
+                          "temperature": np.ones(count, np.float32), "stream_index": np.arange(count)})
     key = generation_key(config.seed, g, meta, aux["sha256"], stream.num_rows)
     return stream, valid, meta["vocab_size"], online_data_key(key, corrupt, torch.device(device).type)
 
