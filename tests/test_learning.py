@@ -48,8 +48,10 @@ def test_the_default_chain_learns_and_its_checkpoint_fine_tunes(tmp_path):
     start = json.loads((default_run / "run" / "summary.json").read_text())["start"]
     aucs = [(0, start["auc"])] + [(r["step"], r["val_auc"]) for r in records if "val_auc" in r]
     assert [step for step, _ in aucs] == [0, 128, 256, 384, 512]
-    assert abs(aucs[0][1] - 0.5) < 0.05, aucs  # the untrained model ranks at chance (measured: 0.535)
-    assert aucs[-1][1] >= 0.75, aucs  # measured: 0.755 / 0.772 / 0.797 / 0.808 (the full preset: 0.81)
+    assert abs(aucs[0][1] - 0.5) < 0.05, aucs  # the untrained model ranks at chance (measured: 0.533)
+    # measured: 0.773 / 0.793 / 0.810 / 0.820 (the full preset: 0.83); 0.755 / 0.772 / 0.797 / 0.808 when
+    # validation read the held-out split's first rows (until 2026-11-27)
+    assert aucs[-1][1] >= 0.75, aucs
     assert all(b > a for (_, a), (_, b) in zip(aucs, aucs[1:])), aucs  # rising at every evaluation
     fits_faster_than_a_random_init(default_run, tmp_path)
 
@@ -63,7 +65,7 @@ def last_epoch_losses(folder) -> list[float]:
 def fits_faster_than_a_random_init(default_run, tmp_path) -> None:
     """Rotten Tomatoes cut to 200 reviews, 100 updates, three seeds: from the checkpoint and from a random
     init of its shape (`--init none`), the same settings. The mean training loss of the last epoch is
-    lower from the checkpoint for every seed (measured: 0.502 / 0.593 / 0.525 against 0.653 / 0.671 / 0.649)."""
+    lower from the checkpoint for every seed (measured: 0.502 / 0.594 / 0.524 against 0.653 / 0.671 / 0.649)."""
     from finetune import rotten_tomatoes as rt
     from finetune.glue import TaskError
     try:
