@@ -334,9 +334,10 @@ def _write_names(writer, names: list) -> None:
 # --- the driver ---------------------------------------------------------------
 
 def _on_node(fn, staging: str, unit: UnitRef, *args):
-    """`fn(unit, *args)` (the unit loaded from its ref) in a Ray worker, once it sees the build's staging folder, which it reads and writes
-    (the scan's hashes, the decision's masks, the tokenizer, the parts): on a node that does not, one line
-    naming the node and the folder, not a FileNotFoundError after the scan pass."""
+    """`fn(unit, *args)` (the unit loaded from its ref) in a Ray worker, once it sees the build's staging
+    folder, which it reads and writes (the units, the scan's hashes, the decision's masks, the tokenizer, the
+    parts): on a node that does not, one line naming the node and the folder, not a FileNotFoundError after
+    the scan pass."""
     if not (Path(staging) / "key.json").is_file():
         import socket
         raise NodeProblem(f"the corpus build's staging folder {staging} is not there as seen from Ray node "
@@ -435,7 +436,11 @@ def _scan_all(units, cfg, config, staging: Path, workers, address, total_bytes, 
 # (hash, document index) pairs of the dedup buckets; a bucket holds about this many documents
 PAIR = np.dtype([("hash", "<u8"), ("index", "<i8")])
 DEDUP_BUCKET_DOCS = 1 << 20  # 16 MB of pairs, as a unit's chunk of hashes (UNIT_CHUNK_DOCS)
-MAX_BUCKET_BITS = 12  # 4,096 buckets: 4G documents at DEDUP_BUCKET_DOCS (256 were 256M, a 1 TB corpus of 1 KB ones is 1G)
+# a bucket file's buffer (reads and writes of whole chunks go past it): the default, the file system's block
+# size, is 1-16 MB on a shared file system (NFS, Lustre, GPFS), 4 GB in all at 4,096 buckets
+BUCKET_FILE_BUFFER = 1 << 13
+# 4,096 buckets: 4G documents at DEDUP_BUCKET_DOCS (256 were 256M; a 1 TB corpus of 1 KB documents is 1G)
+MAX_BUCKET_BITS = 12
 
 
 @dataclasses.dataclass
@@ -494,7 +499,8 @@ class _SortedIndices:
     `limit`."""
 
     def __init__(self, path: Path, chunk: int = 1 << 15):
-        self.file, self.chunk, self.buffer = open(path, "rb"), chunk, np.zeros(0, np.int64)
+        self.file = open(path, "rb", buffering=BUCKET_FILE_BUFFER)  # not the file system's block size
+        self.chunk, self.buffer = chunk, np.zeros(0, np.int64)
 
     def below(self, limit: int) -> np.ndarray:
         taken = []
@@ -530,12 +536,12 @@ def _decide(units: list[UnitRef], scan_dir: Path, valid_fraction: float, bucket_
         raise CorpusError("the corpus source holds no text (every document is empty)")
     # their files are open at once: at most a half of the process's file limit (at least 256) and 4,096 (past
     # 4G documents, or 512M under a file limit of 1,024, a bucket holds more than bucket_docs)
-    allowed = min(MAX_BUCKET_BITS, max(8, int(math.log2(file_limit() // 2))))
+    allowed = min(MAX_BUCKET_BITS, max(8, (file_limit() // 2).bit_length() - 1))
     bits = min(allowed, max(0, math.ceil(math.log2(total / (bucket_docs or DEDUP_BUCKET_DOCS)))))
     for stale in scan_dir.glob("bucket-*"):
         stale.unlink()
     pairs_paths = [scan_dir / f"bucket-{b:05d}.pairs" for b in range(1 << bits)]
-    files = [open(path, "wb") for path in pairs_paths]
+    files = [open(path, "wb", buffering=BUCKET_FILE_BUFFER) for path in pairs_paths]
     try:
         for u, start in zip(units, starts):
             for hashes in npy_chunks(scan_dir / f"unit-{u.index:05d}.npy", chunk_docs):

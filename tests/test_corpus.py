@@ -799,9 +799,11 @@ def test_the_decision_a_bucket_at_a_time_is_the_whole_corpus_rule(tmp_path, monk
 def test_the_decision_holds_a_bucket_of_the_size_asked_past_256_buckets(tmp_path, monkeypatch):
     """A bucket's pairs are the decision's peak: 256 buckets at most left 4M documents a bucket at 1 TB of 1 KB
     documents, more past it. 2^17 documents in buckets of 64 ask for 2,048 buckets: the largest holds about
-    64 (the pairs files' sizes as `_first_of_each` reads them), and the masks are the whole-corpus rule's."""
+    64 (the pairs files' sizes as `_first_of_each` reads them), and the kept and held-out counts are the
+    whole-corpus rule's (its masks: the test above); under a file limit of 1,024, 512 buckets."""
     from types import SimpleNamespace
     from corpus import build
+    monkeypatch.setattr(build, "file_limit", lambda: 1 << 20)  # whatever this machine's limit
     rng = np.random.default_rng(1)
     hashes = rng.integers(0, 2**64, 1 << 17, dtype=np.uint64)
     hashes[1::5] = hashes[::5][:len(hashes[1::5])]  # copies
@@ -817,6 +819,10 @@ def test_the_decision_holds_a_bucket_of_the_size_asked_past_256_buckets(tmp_path
     keep, valid = whole_corpus_rule(hashes, 0.1)
     assert len(sizes) == 2048 and sum(sizes) <= len(hashes) and max(sizes) <= 2 * 64, (len(sizes), max(sizes))
     assert sum(decision.kept) == keep.sum() and sum(decision.held_out) == (keep & valid).sum()
+    sizes.clear()
+    monkeypatch.setattr(build, "file_limit", lambda: 1024)  # half of it for the buckets' files
+    build._decide(units, scan, 0.1, bucket_docs=64)
+    assert len(sizes) == 512
 
 
 def test_the_held_out_split_of_all_documents_at_once_is_the_one_by_one_rule():
