@@ -305,7 +305,7 @@ class SourceList:
 
 
 def _run_lines(path: str) -> Iterator[SourceFile]:
-    with open(path, encoding="utf-8", errors="surrogatepass") as f:
+    with open(path, encoding="ascii") as f:  # json.dumps escapes every other character (lone surrogates too)
         for line in f:
             yield SourceFile(*json.loads(line))
 
@@ -315,7 +315,7 @@ def _merged(runs: list[str]) -> Iterator[SourceFile]:
 
 
 def _write_run(files, path: str) -> str:
-    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+    with open(path, "w", encoding="ascii") as f:
         for file in files:
             f.write(json.dumps([file.path, file.name, file.kind, file.size, file.mtime_ns]) + "\n")
     return path
