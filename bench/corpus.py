@@ -15,6 +15,9 @@ sentences, so none is a duplicate), then runs `python -m corpus` on it, measured
   peak_rss_4x_vs_1x       peak RSS of the whole job (driver, Ray, workers) on a 4x corpus / on 1x
                           (target <= 1.2)
   hours_16gb_2_cores, hours_16gb_64_cores   16 GB at the measured per-worker rate, plus fixed costs
+  one_gzip_speedup_2_workers   (part `gzip`) the same documents as one .jsonl.gz: scan + pack seconds with 1
+                          worker / with 2; `..._one_unit`: the same with the file one work unit, as every gzip
+                          file was read before its ranges (unit_mb above the file's size); target >= 1.5
 Fixed costs that do not grow with the corpus (Ray's start, training the tokenizer on its bounded
 sample, publishing) are reported apart. Writes bench/results/corpus.json and corpus.md.
 """
@@ -36,7 +39,7 @@ import numpy as np
 
 from bench import machine
 from common.config import dump_toml, load_manifest
-from common.io import atomic_write_json, atomic_write_text
+from common.io import atomic_write_json, atomic_write_text, read_json
 from common.sources import paragraphs, read_unit, shakespeare_folder, source_files, work_units
 from common.tokenizer import Tokenizer
 
@@ -138,13 +141,53 @@ def encode_limit_mb_per_s(tokenizer: Path, source: Path, megabytes: float = 20.0
     return size / 1e6 / (time.perf_counter() - t0)
 
 
+def one_gzip_file(source: Path, path: Path) -> None:
+    """The .txt documents of `source`, in name order, as the lines of one .jsonl.gz (gzip's default level)."""
+    import gzip
+    import json
+    tmp = path.with_name(path.name + ".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        for doc in sorted(source.rglob("*.txt")):
+            f.write(json.dumps({"text": doc.read_text()}) + "\n")
+    tmp.rename(path)
+
+
+def gzip_part(config, work: Path, source: Path) -> dict:
+    """One .jsonl.gz of the 1x corpus's documents: 1 worker against 2, cut into ranges, and as one unit."""
+    path = work / "one-file" / "docs.jsonl.gz"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        one_gzip_file(source, path)
+    runs, manifests, unit_mb = {}, {}, config.corpus.unit_mb
+    for name, mb in (("ranges", unit_mb), ("one_unit", 2 * path.stat().st_size / 2**20)):
+        config.corpus.unit_mb = mb
+        manifests[name] = work / f"bench-gzip-{name}.toml"
+        manifests[name].write_text(dump_toml(config))
+    config.corpus.unit_mb = unit_mb
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        for name in ("ranges", "one_unit"):
+            for workers in (1, 2):
+                runs[f"{name}_{workers}"] = run_job(manifests[name], path, Path(tmp) / f"{name}{workers}", workers)
+                shutil.rmtree(Path(tmp) / f"{name}{workers}")
+    passes = lambda r: r["seconds"]["scan"] + r["seconds"]["pack"]
+    return {"one_gzip_mb": path.stat().st_size / 1e6,
+            "one_gzip_speedup_2_workers": passes(runs["ranges_1"]) / passes(runs["ranges_2"]),
+            "one_gzip_speedup_2_workers_one_unit": passes(runs["one_unit_1"]) / passes(runs["one_unit_2"]),
+            "one_gzip_ranges_vs_one_unit_1_worker": passes(runs["ranges_1"]) / passes(runs["one_unit_1"]),
+            "one_gzip_runs": runs}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.corpus")
     parser.add_argument("--manifest", default="manifests/tiny.toml")
     parser.add_argument("--mb", type=float, default=200.0, help="size of the 1x synthetic corpus")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default="work/bench-corpus")
+    parser.add_argument("--parts", default="throughput,gzip",
+                        help="throughput (workers, memory, the tokenizer's limit), gzip (one .jsonl.gz); a part "
+                             "left out keeps its figures from the results file")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     config = load_manifest(args.manifest)
     config.corpus.unit_mb = 8.0
     config.tokenizer.max_sentences = 50_000  # a bounded sample: its cost does not grow with the corpus
@@ -154,7 +197,7 @@ def main(argv=None) -> int:
     manifest.write_text(dump_toml(config))
     cache = Path(config.work_dir) / "downloads"
     sources = {}
-    for scale in (1, 4):
+    for scale in (1, 4) if "throughput" in parts else (1,):
         folder = work / f"source-{scale}x"
         if not (folder / ".complete").is_file():
             shutil.rmtree(folder, ignore_errors=True)
@@ -162,34 +205,22 @@ def main(argv=None) -> int:
             (folder / ".complete").write_text("")
         sources[scale] = folder
     megabytes = {s: sum(p.stat().st_size for p in f.rglob("*.txt")) / 1e6 for s, f in sources.items()}
-    with tempfile.TemporaryDirectory(dir=work) as tmp:
-        runs = {"1x_1": run_job(manifest, sources[1], Path(tmp) / "c1", 1),
-                "1x_2": run_job(manifest, sources[1], Path(tmp) / "c2", 2)}
-        limit = encode_limit_mb_per_s(Path(tmp) / "c2" / "tokenizer.model", sources[1])
-        shutil.rmtree(Path(tmp) / "c1")
-        runs["4x_2"] = run_job(manifest, sources[4], Path(tmp) / "c4", 2)
-    passes = lambda r: r["seconds"]["scan"] + r["seconds"]["pack"]
-    mb1, mb2 = megabytes[1] / passes(runs["1x_1"]), megabytes[1] / passes(runs["1x_2"])
-    limit_in_run = megabytes[1] / runs["1x_1"]["seconds"]["encode_in_pack"]
-    fixed_s = max(r["wall_s"] - passes(r) for r in runs.values())
-    result = {
-        "machine": f"{machine()}, Python {platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "corpus_mb": megabytes[1], "corpus_4x_mb": megabytes[4],
-        "mb_per_s": mb2, "mb_per_s_1_worker": mb1, "tokenizer_limit_mb_per_s": limit_in_run,
-        "tokenizer_limit_mb_per_s_separate": limit, "vs_tokenizer_limit": mb1 / limit_in_run,
-        "vs_tokenizer_limit_separate": mb1 / limit, "speedup_2_workers": mb2 / mb1,
-        "peak_rss_mb_1x": runs["1x_2"]["peak_rss_mb"], "peak_rss_mb_4x": runs["4x_2"]["peak_rss_mb"],
-        "peak_rss_4x_vs_1x": runs["4x_2"]["peak_rss_mb"] / runs["1x_2"]["peak_rss_mb"],
-        "mb_per_s_4x": megabytes[4] / passes(runs["4x_2"]), "fixed_seconds": fixed_s,
-        "hours_16gb_2_cores": (16e3 / mb2 + fixed_s) / 3600, "hours_16gb_64_cores": (16e3 / (mb1 * 64) + fixed_s) / 3600,
-        "runs": runs,
-    }
     out = Path(args.out)
+    result = read_json(out / "corpus.json") if (out / "corpus.json").is_file() else {}
+    if "gzip" in parts:
+        result.update(gzip_part(config, work, sources[1]))
+    if "throughput" in parts:
+        result.update(throughput_part(config, manifest, args, megabytes, sources))
+    result.update({"machine": f"{machine()}, Python {platform.python_version()}", "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "parts": sorted(parts)})
     atomic_write_json(out / "corpus.json", result)
+    mb1, mb2, fixed_s, limit = (result["mb_per_s_1_worker"], result["mb_per_s"], result["fixed_seconds"],
+                                result["tokenizer_limit_mb_per_s_separate"])
+    limit_in_run = result["tokenizer_limit_mb_per_s"]
     md = ["# bench-corpus", "",
-          f"`python -m bench.corpus --mb {args.mb:g}` on {result['machine']}, {result['date']}: a synthetic corpus "
-          f"of {megabytes[1]:.0f} MB (4x: {megabytes[4]:.0f} MB) of reshuffled sentences of the embedded texts.", "",
+          f"`python -m bench.corpus --mb {args.mb:g}` on {result['machine']}, {result['date']} (parts run: "
+          f"{args.parts}): a synthetic corpus of {result['corpus_mb']:.0f} MB (4x: {result['corpus_4x_mb']:.0f} MB) "
+          f"of reshuffled sentences of the embedded texts.", "",
           "| measure | value | target |", "|---|---|---|",
           f"| mb_per_s (2 workers, scan + pack) | {mb2:.2f} | |",
           f"| mb_per_s_1_worker | {mb1:.2f} | |",
@@ -202,10 +233,42 @@ def main(argv=None) -> int:
           f"{result['peak_rss_mb_1x']:.0f} MB) | <= 1.2 |",
           f"| fixed costs (Ray start, tokenizer on its sample, publish) | {fixed_s:.1f} s | |",
           f"| 16 GB on 2 cores / on 64 cores (extrapolated) | {result['hours_16gb_2_cores']:.2f} h / "
-          f"{result['hours_16gb_64_cores']:.3f} h | |", ""]
-    atomic_write_text(out / "corpus.md", "\n".join(md))
+          f"{result['hours_16gb_64_cores']:.3f} h | |"]
+    if "one_gzip_speedup_2_workers" in result:
+        md += [f"| one .jsonl.gz ({result['one_gzip_mb']:.0f} MB) in ranges: speedup_2_workers "
+               f"(`one_gzip_speedup_2_workers`) | {result['one_gzip_speedup_2_workers']:.3f} | >= 1.5 |",
+               f"| the same file as one unit (every gzip file before its ranges) | "
+               f"{result['one_gzip_speedup_2_workers_one_unit']:.3f} | |",
+               f"| 1 worker, ranges / one unit (what skipping to a range costs) | "
+               f"{result['one_gzip_ranges_vs_one_unit_1_worker']:.3f} | |"]
+    atomic_write_text(out / "corpus.md", "\n".join(md + [""]))
     print("\n".join(md))
     return 0
+
+
+def throughput_part(config, manifest: Path, args, megabytes: dict, sources: dict) -> dict:
+    work = Path(args.work)
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        runs = {"1x_1": run_job(manifest, sources[1], Path(tmp) / "c1", 1),
+                "1x_2": run_job(manifest, sources[1], Path(tmp) / "c2", 2)}
+        limit = encode_limit_mb_per_s(Path(tmp) / "c2" / "tokenizer.model", sources[1])
+        shutil.rmtree(Path(tmp) / "c1")
+        runs["4x_2"] = run_job(manifest, sources[4], Path(tmp) / "c4", 2)
+    passes = lambda r: r["seconds"]["scan"] + r["seconds"]["pack"]
+    mb1, mb2 = megabytes[1] / passes(runs["1x_1"]), megabytes[1] / passes(runs["1x_2"])
+    limit_in_run = megabytes[1] / runs["1x_1"]["seconds"]["encode_in_pack"]
+    fixed_s = max(r["wall_s"] - passes(r) for r in runs.values())
+    return {
+        "corpus_mb": megabytes[1], "corpus_4x_mb": megabytes[4],
+        "mb_per_s": mb2, "mb_per_s_1_worker": mb1, "tokenizer_limit_mb_per_s": limit_in_run,
+        "tokenizer_limit_mb_per_s_separate": limit, "vs_tokenizer_limit": mb1 / limit_in_run,
+        "vs_tokenizer_limit_separate": mb1 / limit, "speedup_2_workers": mb2 / mb1,
+        "peak_rss_mb_1x": runs["1x_2"]["peak_rss_mb"], "peak_rss_mb_4x": runs["4x_2"]["peak_rss_mb"],
+        "peak_rss_4x_vs_1x": runs["4x_2"]["peak_rss_mb"] / runs["1x_2"]["peak_rss_mb"],
+        "mb_per_s_4x": megabytes[4] / passes(runs["4x_2"]), "fixed_seconds": fixed_s,
+        "hours_16gb_2_cores": (16e3 / mb2 + fixed_s) / 3600, "hours_16gb_64_cores": (16e3 / (mb1 * 64) + fixed_s) / 3600,
+        "runs": runs,
+    }
 
 
 if __name__ == "__main__":

@@ -293,7 +293,10 @@ def jsonl_gz(path: Path, megabytes: float, seed: int, cache: Path) -> int:
 def corpus_memory(tmp: Path) -> dict:
     from bench.corpus import run_job
     manifest = tmp / "corpus.toml"
-    manifest.write_text(dump_toml(load_manifest(ROOT / "manifests" / "tiny.toml", ["tokenizer.max_sentences=50000"])))
+    # unit_mb above the file's size: the file stays one unit (a .jsonl.gz larger than a unit is read in ranges,
+    # units of their own), so the figure stays one of a unit's size, not of the ranges'
+    manifest.write_text(dump_toml(load_manifest(ROOT / "manifests" / "tiny.toml", ["tokenizer.max_sentences=50000",
+                                                                                  "corpus.unit_mb=4096"])))
     runs = {}
     for times in (1, 4):
         source = tmp / f"corpus-{times}x.jsonl.gz"
@@ -327,7 +330,8 @@ def corpus_documents_memory(tmp: Path) -> dict:
     work unit, so what the stage keeps per document (hashes, masks) must be read and written by chunks."""
     from bench.corpus import run_job
     manifest = tmp / "corpus.toml"
-    manifest.write_text(dump_toml(load_manifest(ROOT / "manifests" / "tiny.toml", ["tokenizer.max_sentences=20000"])))
+    manifest.write_text(dump_toml(load_manifest(ROOT / "manifests" / "tiny.toml", ["tokenizer.max_sentences=20000",
+                                                                                  "corpus.unit_mb=4096"])))  # one unit
     runs = {}
     for times in (1, 4):
         source = tmp / f"documents-{times}x.jsonl.gz"

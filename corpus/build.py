@@ -38,8 +38,9 @@ from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atom
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
                        tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
-from common.sources import (SUFFIXES, CorpusError, LeftOut, SourceUnreadable, UnitRef, WorkUnit, blocks,
-                            check_unchanged, document_hash, paragraphs, read_unit, source_files, write_units)
+from common.sources import (GZIP_SPLIT, SUFFIXES, CorpusError, LeftOut, SourceUnreadable, UnitRef, WorkUnit, blocks,
+                            check_unchanged, document_hash, gzip_ranges, paragraphs, read_unit, source_files,
+                            write_units)
 from common import hf
 from common.parallel import NodeProblem
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
@@ -65,14 +66,21 @@ def valid_mask(hashes: np.ndarray, valid_fraction: float) -> np.ndarray:
     return np.asarray(hashes, dtype=np.uint64) < np.uint64(threshold)
 
 
+def unit_bytes(config: RunConfig) -> int:
+    return max(1, int(config.corpus.unit_mb * 2**20))
+
+
 def build_key(config: RunConfig, files) -> str:
-    """What a corpus's bytes depend on: every source file (name, size, modification time), the
-    [corpus] and [tokenizer] settings, the seed and the format: the SHA-256 of `key_blob` as JSON with the
-    files' list in it, hashed as the files come (an iterable, read once), not held."""
+    """What a corpus's bytes depend on: every source file (name, size, modification time; for a .jsonl.gz read
+    in ranges, `GZIP_SPLIT`), the [corpus] and [tokenizer] settings, the seed and the format: the SHA-256 of
+    `key_blob` as JSON with the files' list in it, hashed as the files come (read twice, as a `SourceList` is),
+    not held."""
     head, tail = json.dumps(key_blob(config), sort_keys=True).split(json.dumps(_FILES_HERE))
     digest = hashlib.sha256(head.encode() + b"[")
+    size, total = unit_bytes(config), sum(f.size for f in files)  # the listing read twice, from disk
     for i, f in enumerate(files):
-        digest.update((", " if i else "").encode() + json.dumps([f.name, f.size, f.mtime_ns]).encode())
+        split = [GZIP_SPLIT] if len(gzip_ranges(f, size, total)) > 2 else []  # its units differ from a build's before
+        digest.update((", " if i else "").encode() + json.dumps([f.name, f.size, f.mtime_ns, *split]).encode())
     digest.update(b"]" + tail.encode())
     return digest.hexdigest()
 
@@ -742,7 +750,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     ray_was_running = ray.is_initialized()
     try:
         # the units on disk, a piece a line: the driver holds their sizes and offsets, not the source's files
-        units = write_units(files, max(1, int(cfg.unit_mb * 2**20)), staging / UNITS_FILE)
+        units = write_units(files, unit_bytes(config), staging / UNITS_FILE)
         source_count = len(files)
         del files  # and the listing's runs (TMPDIR) with it: hours of a build need none of it
         total_bytes = sum(u.bytes for u in units)

@@ -136,6 +136,93 @@ def test_copies_that_differ_in_line_ends_or_outer_whitespace_hash_alike_in_every
     assert len(docs) == 4 and {d.text for d in docs} == {"To be, or not to be:\nthat is the question."}
     assert len({document_hash(d.text, 7) for d in docs}) == 1
 
+def _large_jsonl_gz(path: Path) -> list[str]:
+    """About 1 MB of gzip in two members (zero bytes between them, as gzip allows), blank lines, a line of
+    300 KB (several GZIP_GRID blocks of compressed bytes) and a last line without a newline; returns its lines."""
+    import random
+    rng = random.Random(3)
+    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))  # noqa: E731
+    texts = [" ".join(word() for _ in range(rng.randint(1, 300))) for _ in range(1500)]
+    texts[700] = " ".join(word() for _ in range(50_000))
+    lines = [json.dumps({"text": t}) + ("\n\n" if i % 97 == 0 else "\n") for i, t in enumerate(texts)]
+    lines[-1] = lines[-1].rstrip("\n")
+    raw = "".join(lines).encode()
+    path.write_bytes(gzip.compress(raw[:len(raw) // 2], mtime=0) + b"\0\0\0" + gzip.compress(raw[len(raw) // 2:], mtime=0))
+    return raw.decode().split("\n")
+
+
+def test_a_large_jsonl_gz_is_read_in_ranges_each_a_unit_and_every_line_once(tmp_path):
+    """A .jsonl.gz larger than a unit was one unit, read by one worker however large (a corpus of a few large
+    files used a few cores): now up to MAX_GZIP_PIECES ranges of its compressed bytes, as many as its share of
+    TARGET_UNITS, each its own unit, each read by inflating the file from its start and keeping the lines that
+    begin in its range. Read that way, the documents (names by line number, texts) are the whole file's read as
+    one unit, with any file around it."""
+    from common import sources
+    from corpus.build import build_key, key_blob
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = _large_jsonl_gz(raw / "b.jsonl.gz")
+    (raw / "a.txt").write_text("before")
+    (raw / "c.txt").write_text("after")
+    size = (raw / "b.jsonl.gz").stat().st_size
+    assert size > 8 * sources.GZIP_GRID
+    files = source_files(str(raw), tmp_path)
+    whole = list(work_units(files, unit_bytes=1 << 30))
+    units = list(work_units(files, unit_bytes=size // 5))
+    pieces = [list(u.pieces) for u in units]
+    assert len(whole) == 1 and [len(p) for p in pieces] == [1, 1, 1, 1, 1, 1, 1, 1]  # a.txt, 6 ranges, c.txt
+    assert [p[0].file.name for p in pieces] == ["a.txt"] + ["b.jsonl.gz"] * 6 + ["c.txt"]
+    ranges = [(p[0].start, p[0].stop) for p in pieces[1:-1]]
+    assert ranges[0][0] == 0 and ranges[-1][1] == size and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(start % sources.GZIP_GRID == 0 for start, _ in ranges)
+    read = lambda units: [(d.name, d.text) for u in units for d in read_unit(u, "text")]  # noqa: E731
+    expected = [("a.txt", "before")] + [(f"b.jsonl.gz:{n}", json.loads(line)["text"].strip())
+                                        for n, line in enumerate(lines, 1) if line] + [("c.txt", "after")]
+    assert read(units) == read(whole) == expected
+    by_range = [[d.name for d in read_unit(u, "text")] for u in units[1:-1]]
+    assert all(by_range) and "b.jsonl.gz:701" in sum(by_range, [])  # the 300 KB line, read in one range
+    # cut only as far as the corpus needs units: as one of 100 such files, 3 ranges (256 units in all); of 1,000, none
+    (big,) = [f for f in files if f.name == "b.jsonl.gz"]
+    assert len(sources.gzip_ranges(big, size // 5, 100 * size)) == 4  # 3 ranges: their starts and the end
+    assert sources.gzip_ranges(big, size // 5, 1000 * size) == [0, size]
+    # the key names the file's ranges (its units differ from a build's before them); a file of one unit's is as
+    # it was, so corpora built before stay current
+    config = tiny_config(tmp_path)
+    config.corpus.unit_mb = size / 5 / 2**20
+    listed = [[f.name, f.size, f.mtime_ns] for f in files]
+    assert build_key(config, files) != hashlib.sha256(json.dumps({**key_blob(config), "files": listed},
+                                                                 sort_keys=True).encode()).hexdigest()
+    config.corpus.unit_mb = 1024
+    assert build_key(config, files) == hashlib.sha256(json.dumps({**key_blob(config), "files": listed},
+                                                                 sort_keys=True).encode()).hexdigest()
+
+
+def test_a_jsonl_gz_cut_short_fails_in_its_last_range_naming_it_and_its_other_ranges_read(tmp_path):
+    """Inflating a range stops where its last line ends: only the last range reaches the gzip trailer (the
+    whole file's CRC and length, checked there) or finds the file cut short."""
+    from common.sources import SourceUnreadable
+    path = tmp_path / "b.jsonl.gz"
+    _large_jsonl_gz(path)
+    path.write_bytes(path.read_bytes()[:-100])
+    units = list(work_units(source_files(str(path), tmp_path), unit_bytes=-(-path.stat().st_size // 4)))
+    assert len(units) == 4
+    assert all([d for d in read_unit(u, "text")] for u in units[:-1])
+    with pytest.raises(SourceUnreadable, match=rf"{path} cannot be read: Compressed file ended"):
+        list(read_unit(units[-1], "text"))
+
+
+def test_a_corpus_of_one_large_jsonl_gz_builds_from_its_ranges(tmp_path):
+    """The build reads each range in a unit of its own (written to and read back from the staging folder's
+    units file) and keeps every document once."""
+    lines = _large_jsonl_gz(tmp_path / "b.jsonl.gz")
+    config = tiny_config(tmp_path)
+    config.corpus.source = str(tmp_path / "b.jsonl.gz")
+    config.corpus.unit_mb = (tmp_path / "b.jsonl.gz").stat().st_size / 3 / 2**20
+    build_corpus(config, config.corpus_dir, **quiet)
+    meta = load_corpus_meta(config.corpus_dir)
+    assert meta["units"] == 3 and meta["documents"]["read"] == sum(1 for line in lines if line)
+
+
 def test_a_large_txt_gz_is_read_in_documents_of_its_lines(tmp_path, monkeypatch):
     """Past TEXT_DOCUMENT_BYTES a compressed text file is cut at line starts into documents (named by their
     offset, like a large plain file's ranges) instead of read whole; a small one stays one document."""
