@@ -17,6 +17,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -223,7 +224,8 @@ class SourceFile:
 @dataclass(frozen=True, slots=True)
 class Piece:
     """Part of one file: the lines starting in bytes [start, stop) of a plain .jsonl or .txt (stop -1: to
-    the end), row groups [start, stop) of a Parquet file, or the whole file (0, -1)."""
+    the end), the lines whose first byte compressed bytes [start, stop) of a .jsonl.gz inflate to
+    (`_gzip_lines`), row groups [start, stop) of a Parquet file, or the whole file (0, -1)."""
     file: SourceFile
     start: int = 0
     stop: int = -1
@@ -441,14 +443,16 @@ def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList
 MAX_GZIP_PIECES = 16
 TARGET_UNITS = 256
 GZIP_GRID = 1 << 16  # compressed bytes inflated at a time; the ranges of a split .jsonl.gz start at multiples of it
-GZIP_SPLIT = "jsonl.gz ranges v1"  # in the corpus key of a file cut so (built before, it was one unit)
+# In the corpus key of a file cut so (built before, it was one unit); a change to the three constants above makes
+# other units of the same files, so it needs another marker.
+GZIP_SPLIT = "jsonl.gz ranges v1"
 _INFLATE_BLOCK = 1 << 18  # text inflated in one call at most: a highly compressed stretch stays bounded
 
 
 def gzip_ranges(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[int]:
     """The starts of a .jsonl.gz's ranges and its size, [0, ..., size], by compressed bytes (each start a
     multiple of GZIP_GRID), for a source of `total_bytes` in all: as many ranges as its share of TARGET_UNITS,
-    none smaller than a unit, at most MAX_GZIP_PIECES. One range (whole) for any other file."""
+    no more than the units it holds, at most MAX_GZIP_PIECES. One range (whole) for any other file."""
     if file.kind != "jsonl" or not file.path.lower().endswith(".gz") or file.size <= unit_bytes:
         return [0, file.size]
     count = min(MAX_GZIP_PIECES, -(-file.size // unit_bytes), -(-file.size * TARGET_UNITS // max(total_bytes, 1)))
@@ -560,29 +564,38 @@ def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
         yield from _plain_lines(piece)
 
 
+# zlib's messages for a gzip header or trailer that is wrong, where gzip.open raised BadGzipFile (an OSError: the file
+# cannot be read, and a build keeps its work for a rerun); a fault inside the deflate data stays a zlib.error (damaged)
+_GZIP_FRAME_ERRORS = ("incorrect header check", "unknown compression method", "unknown header flags set",
+                      "header crc mismatch", "incorrect data check", "incorrect length check")
+
+
 def _inflated(path: str) -> Iterator[tuple[int, bytes]]:
     """(offset, text) of a gzip file inflated GZIP_GRID compressed bytes at a time: the text that inflating
     the bytes from `offset` on added, every member in turn (zero bytes between members left out, as gzip
     reads them). Every reader inflates the same blocks, so where a range's text starts is the same for all."""
     with open(path, "rb") as f:
-        head = f.read(2)
-        if head and head != b"\x1f\x8b":
-            raise gzip.BadGzipFile(f"Not a gzipped file ({head!r})")
-        f.seek(0)
-        inflate, offset = None, 0
+        inflate, offset, members = None, 0, 0
         while chunk := f.read(GZIP_GRID):
             data = chunk
             while True:
                 if inflate is None:
-                    data = data.lstrip(b"\x00")
+                    data = data.lstrip(b"\x00") if members else data
                     if not data:
                         break
+                    if not b"\x1f\x8b".startswith(data[:2]):
+                        raise gzip.BadGzipFile(f"Not a gzipped file ({data[:2]!r})")
                     inflate = zlib.decompressobj(wbits=31)  # gzip's header and trailer (CRC, length) checked
-                text = inflate.decompress(data, _INFLATE_BLOCK)
+                try:
+                    text = inflate.decompress(data, _INFLATE_BLOCK)
+                except zlib.error as e:
+                    if any(m in str(e) for m in _GZIP_FRAME_ERRORS):
+                        raise gzip.BadGzipFile(str(e)) from None
+                    raise
                 if text:
                     yield offset, text
                 if inflate.eof:
-                    data, inflate = inflate.unused_data, None
+                    data, inflate, members = inflate.unused_data, None, members + 1
                     continue
                 data = inflate.unconsumed_tail
                 if not data and len(text) < _INFLATE_BLOCK:  # a full block may leave text to come without input
@@ -596,7 +609,7 @@ def _gzip_lines(piece: Piece) -> Iterator[tuple[int, int, bytes]]:
     """(line number, -1, raw line) of the lines of a .jsonl.gz whose first byte the piece's compressed range
     [start, stop) inflates to (`_inflated`; the whole file for stop -1). The text before the range is inflated
     and its lines counted, not kept; the range's last line is read past `stop` to its end."""
-    stop = piece.file.size if piece.stop < 0 else piece.stop
+    stop = math.inf if piece.stop < 0 else piece.stop
     number, line, ours, at_start = 1, [], False, True  # ours: the line being read started in the range
     for offset, text in _inflated(piece.file.path):
         if offset < piece.start:

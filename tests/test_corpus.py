@@ -211,6 +211,33 @@ def test_a_jsonl_gz_cut_short_fails_in_its_last_range_naming_it_and_its_other_ra
         list(read_unit(units[-1], "text"))
 
 
+def test_a_damaged_jsonl_gz_fails_as_gzip_open_failed_on_it(tmp_path):
+    """The ranges' reader inflates with zlib itself: each damage is still classed as gzip.open's was, a file that
+    cannot be read (its header or trailer wrong: a build keeps its work for a rerun) or damaged deflate data."""
+    import zlib
+    from common.sources import SourceUnreadable
+    raw = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 20}).encode() + b"\n" for i in range(300)), mtime=0)
+    flip = lambda data, i: data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]  # noqa: E731
+    cases = {"crc": flip(raw, -8), "length": flip(raw, -2), "trailing bytes": raw + b"xyz", "one trailing byte": raw + b"x",
+             "zeros in front": b"\0\0" + raw, "cut short": raw[:-10], "not gzip": b"hello", "method": flip(raw, 2),
+             "deflate data": flip(raw, 40)}
+    path = tmp_path / "x.jsonl.gz"
+    for case, data in cases.items():
+        path.write_bytes(data)
+        try:
+            list(gzip.open(path, "rb"))
+            expected = None
+        except (OSError, EOFError):
+            expected = SourceUnreadable
+        except zlib.error:
+            expected = CorpusError
+        with pytest.raises(CorpusError) as raised:  # SourceUnreadable is a CorpusError
+            [d for u in work_units(source_files(str(path), tmp_path), 1 << 30) for d in read_unit(u, "text")]
+        assert expected is not None and type(raised.value) is expected and str(path) in str(raised.value), case
+    path.write_bytes(raw + b"\0\0" + raw)  # two members, zero bytes between them: read as gzip reads them
+    assert len([d for u in work_units(source_files(str(path), tmp_path), 1 << 30) for d in read_unit(u, "text")]) == 600
+
+
 def test_a_corpus_of_one_large_jsonl_gz_builds_from_its_ranges(tmp_path):
     """The build reads each range in a unit of its own (written to and read back from the staging folder's
     units file) and keeps every document once."""
