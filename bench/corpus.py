@@ -207,7 +207,8 @@ def main(argv=None) -> int:
     megabytes = {s: sum(p.stat().st_size for p in f.rglob("*.txt")) / 1e6 for s, f in sources.items()}
     out = Path(args.out)
     result = read_json(out / "corpus.json") if (out / "corpus.json").is_file() else {}
-    result.setdefault("date_throughput", result.get("date"))  # results written before the parts were dated
+    if "parts" not in result:  # results written before the parts were: one date for all
+        result["date_throughput"] = result.get("date")
     now = time.strftime("%Y-%m-%d %H:%M")
     if "gzip" in parts:
         result.update(gzip_part(config, work, sources[1]), date_gzip=now)

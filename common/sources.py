@@ -437,7 +437,7 @@ def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList
 # A .jsonl.gz larger than a unit may be read by several workers at once, each inflating the file from its start and
 # keeping the lines of its own range of compressed bytes. Inflating only to skip runs ~40-90x faster than
 # tokenizing (zlib 300 MB/s of text against SentencePiece's 3.7-7 MB/s here), yet K ranges cost about K/2 times
-# that in extra work (`make bench-corpus`: 11 ranges of one file, 1.28x the seconds of one unit with 1 worker), so
+# that in extra work (`make bench-corpus`: 11 ranges of one file, 1.13-1.28x the seconds of one unit with 1 worker), so
 # a file is cut only as far as the corpus needs units: to about TARGET_UNITS in all (a corpus of 1,000 large files
 # is not cut; one of 30, into 9 ranges each), at most MAX_GZIP_PIECES ranges a file.
 MAX_GZIP_PIECES = 16
