@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 @dataclass
 class CorpusConfig:
     source: str = "shakespeare"
-    """'shakespeare' (the embedded default), or a file or folder tree of .txt(.gz), .jsonl(.gz), .parquet."""
+    """'shakespeare' (the embedded default), or a file or folder tree of .txt(.gz|.zst), .jsonl(.gz|.zst), .parquet."""
     text_column: str = "text"
     """Field holding the text in .jsonl / Parquet sources."""
     max_seq_len: int = 128

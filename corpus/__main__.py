@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     add_manifest_argument(parser)
     add_set_argument(parser)
     parser.add_argument("--source", default=None,
-                        help="override [corpus] source: a file or folder of .txt(.gz), .jsonl(.gz), .parquet")
+                        help="override [corpus] source: a file or folder of .txt(.gz|.zst), .jsonl(.gz|.zst), .parquet")
     parser.add_argument("--out", default=None, help="output folder (default: WORK_DIR/corpus)")
     parser.add_argument("--workers", type=int, default=None,
                         help="Ray workers (default: one per core of this machine, or of the --address cluster)")

@@ -731,7 +731,7 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
     check_hf_aux(config)
     ignored = LeftOut()
     files = source_files(source, cache_dir=out_dir.parent / "downloads", ignored=ignored)
-    if ignored.count:  # a .zst or .bz2 among them is text this build does not read: said, not silently left out
+    if ignored.count:  # a .bz2 or .xz among them is text this build does not read: said, not silently left out
         log(f"corpus: note: {ignored.count} file(s) in {source} are not of a kind read here ({', '.join(SUFFIXES)}) "
             f"and are left out: {', '.join(ignored.names)}{', ...' if ignored.count > len(ignored.names) else ''}")
     key = build_key(config, files)
