@@ -584,9 +584,10 @@ def _open_stream(path: str):
 
 
 # zlib's messages for a gzip header or trailer that is wrong, where gzip.open raised BadGzipFile (an OSError: the file
-# cannot be read, and a build keeps its work for a rerun); a fault inside the deflate data stays a zlib.error (damaged)
-_GZIP_FRAME_ERRORS = ("incorrect header check", "unknown compression method", "unknown header flags set",
-                      "header crc mismatch", "incorrect data check", "incorrect length check")
+# cannot be read, and a build keeps its work for a rerun); a fault inside the deflate data stays a zlib.error (damaged),
+# as do a header's own CRC that does not match and reserved flags, which gzip.open ignores and zlib refuses
+_GZIP_FRAME_ERRORS = ("incorrect header check", "unknown compression method", "incorrect data check",
+                      "incorrect length check")
 
 
 def _inflated(path: str) -> Iterator[tuple[int, bytes]]:
@@ -842,6 +843,9 @@ def _unreadable(path: str, e: Exception) -> CorpusError:
     """A read that failed: SourceUnreadable (it may pass: a network file system, a file being copied), or where
     zstd found its data damaged, the CorpusError saying so (the same on every read; a zstd file cut short is the
     former, as a gzip file is)."""
+    if str(e).startswith("ZSTD decompress failed") and "too much memory" in str(e):  # written with zstd --long
+        return CorpusError(f"{path} was compressed with a window larger than this reader takes (zstd --long): "
+                           f"recompress it, e.g. `zstd -dc --long=31 {path} | zstd -o NEW.zst` ({e})")
     if str(e).startswith("ZSTD decompress failed"):
         return CorpusError(f"{path} is damaged (its zstd data: {e}); repair or remove it")
     return SourceUnreadable(f"{path} cannot be read: {e}")

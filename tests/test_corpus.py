@@ -279,6 +279,11 @@ def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp
             assert str(e).startswith(str(damaged)), e
             said.append(str(e))
     assert any(f"{damaged} is damaged (its zstd data" in m for m in said), said
+    # a frame of `zstd --long=31` (a 2 GiB window; the decoder takes 128 MiB): intact, so not called damaged
+    wide = tmp_path / "wide.jsonl.zst"
+    wide.write_bytes(b"\x28\xb5\x2f\xfd" + bytes([0x00, (31 - 10) << 3]) + bytes([0x09, 0x00, 0x00]) + b"a")
+    with pytest.raises(CorpusError, match=rf"{wide} was compressed with a window larger .*zstd -dc --long=31"):
+        docs(wide)
 
 
 def test_a_corpus_of_one_large_jsonl_gz_builds_from_its_ranges(tmp_path):
