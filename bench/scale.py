@@ -18,6 +18,9 @@ In one run:
   start_4x_vs_1x            seconds from `python -m generate` (a complete folder: nothing to do) through the
                             trainer's first update, on a folder with 4x the shards over 1x (target <= 1.3);
                             beside it the same with every shard hashed (`--verify`, train.verify_shards)
+  open_seconds_base_plan    the same start-up in-process (the generator's check, the trainer's open_data), where
+                            process start does not hide it: seconds a shard (4x over 1x) carried to the base
+                            plan's 3,918 shards (target <= 5 s); `open_4x_vs_1x` beside it
   corpus_rss_4x_vs_1x       peak RSS of `python -m corpus` (one worker, its whole process tree) on a single
                             .jsonl.gz holding 4x the text over one holding 1x (100 MB of text), the
                             tokenizer's sample bounded (max_sentences 50,000, reached by both) (target <= 1.2)
@@ -222,7 +225,8 @@ def chain(tmp: Path) -> Path:
     values.update(work_dir=str(work), shared_dir="")
     values["model"].update(hidden_size=64, num_layers=2, num_heads=2, ffn_size=128)
     values["aux"].update(steps=20, eval_every=20, ckpt_every=20, log_every=10)
-    values["generate"].update(rows_per_epoch=2048, rows_per_shard=256)
+    values["generate"].update(rows_per_epoch=2048, rows_per_shard=32)  # 128 shards at 1x, 512 at 4x: a start-up
+    # cost a shard would show in the in-process figure (`open_seconds`)
     values["train"].update(max_steps=1, allow_short_stream=True, eval_every=1000, log_every=1, ckpt_every=1000)
     manifest = tmp / "scale.toml"
     manifest.write_text(dump_toml(config_from_dict(values)))
@@ -269,8 +273,38 @@ def start_time(tmp: Path, repeats: int = 2) -> dict:
                 timings[f"{times}x{'_verify' if verify else ''}"].append(seconds)
     best = {k: min(v) for k, v in timings.items()}
     shards = {times: len(list(folders[times].glob("epoch-*/*.parquet"))) for times in (1, 4)}
+    opened = open_seconds(tmp, folders, shards)
     return {"start_4x_vs_1x": best["4x"] / best["1x"], "start_4x_vs_1x_verify": best["4x_verify"] / best["1x_verify"],
-            "start_seconds": timings, "start_shards": shards}
+            "start_seconds": timings, "start_shards": shards, **opened}
+
+
+BASE_PLAN_SHARDS = 3918  # the base preset's stream (125,000 x 2,048 rows) in shards: `driver_rss_full_vs_small`'s plan
+
+
+def open_seconds(tmp: Path, folders: dict, shards: dict, repeats: int = 5) -> dict:
+    """The start-up a shard folder costs, in this process (no interpreter, imports or Ray start around it, which
+    hide it in `start_4x_vs_1x`): the generator's check of a complete folder (`generate`: nothing to write) and
+    the trainer's opening of it (`train.data.open_data`), the best of `repeats`, 4x the shards over 1x; beside
+    it the same with every shard hashed (`verify`), which grows with them too. What a shard adds (seconds, the
+    4x folder's over the 1x's per extra shard) is carried to the base plan's shards: `open_seconds_base_plan`."""
+    from common.checkpoint import AUX_FILE
+    from generate.generator import generate
+    from train.data import open_data
+    timings = {f"{times}x{'_verify' if verify else ''}": [] for times in (1, 4) for verify in (False, True)}
+    for _ in range(repeats):
+        for verify in (False, True):
+            for times in (1, 4):
+                config = load_manifest(tmp / f"scale-{times}x.toml")
+                t0 = time.perf_counter()
+                generate(config, folders[times], config.corpus_dir, config.aux_dir / AUX_FILE, workers=1,
+                         log=lambda *_: None, verify=verify)
+                open_data(folders[times], config, log=lambda *_: None)
+                timings[f"{times}x{'_verify' if verify else ''}"].append(time.perf_counter() - t0)
+    best = {k: min(v) for k, v in timings.items()}
+    per_shard = (best["4x"] - best["1x"]) / (shards[4] - shards[1])
+    return {"open_4x_vs_1x": best["4x"] / best["1x"], "open_4x_vs_1x_verify": best["4x_verify"] / best["1x_verify"],
+            "open_seconds_per_shard": per_shard,
+            "open_seconds_base_plan": best["1x"] + per_shard * (BASE_PLAN_SHARDS - shards[1]), "open_seconds": timings}
 
 
 def jsonl_gz(path: Path, megabytes: float, seed: int, cache: Path) -> int:
@@ -470,6 +504,11 @@ def main(argv=None) -> int:
           f"{result['rank_read_fraction']:.3f} | <= 0.55 |",
           f"| seconds to the first step, 4x shards / 1x (`start_4x_vs_1x`) | {result['start_4x_vs_1x']:.3f} "
           f"(every shard hashed: {result['start_4x_vs_1x_verify']:.3f}) | <= 1.3 |",
+          *([f"| the same in-process (the generator's check and the trainer's opening of the folder), 4x / 1x "
+             f"(`open_4x_vs_1x`); carried to the base plan's {BASE_PLAN_SHARDS:,} shards (`open_seconds_base_plan`) | "
+             f"{result['open_4x_vs_1x']:.3f} (every shard hashed: {result['open_4x_vs_1x_verify']:.3f}); "
+             f"{result['open_seconds_per_shard'] * 1e6:.0f} us a shard: {result['open_seconds_base_plan']:.2f} s | "
+             f"<= 5 s |"] if "open_seconds_base_plan" in result else []),  # a scale.json before it
           f"| corpus stage peak RSS, one .jsonl.gz of 4x the text / 1x (`corpus_rss_4x_vs_1x`) | "
           f"{result['corpus_rss_4x_vs_1x']:.3f} ({result['corpus_runs']['4']['peak_rss_mb']:.0f} / "
           f"{result['corpus_runs']['1']['peak_rss_mb']:.0f} MB; {result['corpus_runs']['4']['text_mb']:.0f} / "
