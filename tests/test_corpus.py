@@ -286,16 +286,20 @@ def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp
         docs(wide)
 
 
-def test_a_corpus_of_one_large_jsonl_gz_builds_from_its_ranges(tmp_path):
+@pytest.mark.slow
+def test_a_corpus_of_one_large_jsonl_gz_builds_from_its_ranges_alike_on_one_and_two_workers(tmp_path):
     """The build reads each range in a unit of its own (written to and read back from the staging folder's
-    units file) and keeps every document once."""
+    units file) and keeps every document once; two Ray workers, each inflating the file in its own process,
+    cut it where this process does: the same bytes."""
     lines = _large_jsonl_gz(tmp_path / "b.jsonl.gz")
     config = tiny_config(tmp_path)
     config.corpus.source = str(tmp_path / "b.jsonl.gz")
     config.corpus.unit_mb = (tmp_path / "b.jsonl.gz").stat().st_size / 3 / 2**20
-    build_corpus(config, config.corpus_dir, **quiet)
-    meta = load_corpus_meta(config.corpus_dir)
+    build_corpus(config, tmp_path / "one", workers=1, **quiet)
+    build_corpus(config, tmp_path / "two", workers=2, **quiet)
+    meta = load_corpus_meta(tmp_path / "one")
     assert meta["units"] == 3 and meta["documents"]["read"] == sum(1 for line in lines if line)
+    assert digest(tmp_path / "one") == digest(tmp_path / "two")
 
 
 def test_a_large_txt_gz_is_read_in_documents_of_its_lines(tmp_path, monkeypatch):
