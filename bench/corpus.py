@@ -188,6 +188,8 @@ def main(argv=None) -> int:
                              "left out keeps its figures from the results file")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
+    if not parts <= {"throughput", "gzip"}:
+        parser.error(f"--parts: unknown {', '.join(sorted(parts - {'throughput', 'gzip'}))} (throughput, gzip)")
     config = load_manifest(args.manifest)
     config.corpus.unit_mb = 8.0
     config.tokenizer.max_sentences = 50_000  # a bounded sample: its cost does not grow with the corpus
@@ -207,19 +209,20 @@ def main(argv=None) -> int:
     megabytes = {s: sum(p.stat().st_size for p in f.rglob("*.txt")) / 1e6 for s, f in sources.items()}
     out = Path(args.out)
     result = read_json(out / "corpus.json") if (out / "corpus.json").is_file() else {}
-    if "parts" not in result:  # results written before the parts were: one date for all
-        result["date_throughput"] = result.get("date")
-    now = time.strftime("%Y-%m-%d %H:%M")
+    if "parts" not in result:  # results written before the parts were: one date and machine for all
+        result["date_throughput"], result["machine_throughput"] = result.get("date"), result.get("machine")
+    now, here = time.strftime("%Y-%m-%d %H:%M"), f"{machine()}, Python {platform.python_version()}"
     if "gzip" in parts:
-        result.update(gzip_part(config, work, sources[1]), date_gzip=now)
+        result.update(gzip_part(config, work, sources[1]), date_gzip=now, machine_gzip=here)
     if "throughput" in parts:
-        result.update(throughput_part(config, manifest, args, megabytes, sources), date_throughput=now)
-    result.update({"machine": f"{machine()}, Python {platform.python_version()}", "date": now, "parts": sorted(parts)})
+        result.update(throughput_part(manifest, args, megabytes, sources), date_throughput=now, machine_throughput=here)
+    result.update({"machine": here, "date": now, "parts": sorted(parts)})
     atomic_write_json(out / "corpus.json", result)
     md = ["# bench-corpus", "",
           f"`python -m bench.corpus --mb {args.mb:g} --parts {args.parts}` on {result['machine']}, {result['date']}; "
-          f"each part's figures from its last run (throughput {result.get('date_throughput')}, gzip "
-          f"{result.get('date_gzip')}): a synthetic corpus of {megabytes[1]:.0f} MB of reshuffled sentences of the "
+          f"each part's figures from its last run (throughput {result.get('date_throughput')} on "
+          f"{result.get('machine_throughput')}, gzip {result.get('date_gzip')} on {result.get('machine_gzip')}): "
+          f"a synthetic corpus of {megabytes[1]:.0f} MB of reshuffled sentences of the "
           f"embedded texts.", "", "| measure | value | target |", "|---|---|---|"]
     if "mb_per_s" in result:
         md += throughput_rows(result)
@@ -254,7 +257,7 @@ def throughput_rows(result: dict) -> list[str]:
            f"{result['hours_16gb_64_cores']:.3f} h | |"]
 
 
-def throughput_part(config, manifest: Path, args, megabytes: dict, sources: dict) -> dict:
+def throughput_part(manifest: Path, args, megabytes: dict, sources: dict) -> dict:
     work = Path(args.work)
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         runs = {"1x_1": run_job(manifest, sources[1], Path(tmp) / "c1", 1),

@@ -434,14 +434,14 @@ def listing_probe(source: str, cache: str, units_path: str) -> dict:
     (`write_units`); then what a worker does with its unit before reading documents (its pieces, read from
     the units file); the peak of its RSS (VmHWM, reset once the imports are done) and the RSS before."""
     from common.sources import source_files, write_units
-    from corpus.build import build_key
+    from corpus.build import build_key, unit_bytes
     config = load_manifest(BASE)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here
     before, t0 = _proc_bytes("/proc/self/status", "VmRSS"), time.time()
     files = source_files(source, cache)
     build_key(config, files)
-    units = write_units(files, int(config.corpus.unit_mb * 2**20), units_path)
+    units = write_units(files, unit_bytes(config), units_path)
     pieces = sum(1 for _ in units[0].load().pieces)
     return {"files": len(files), "units": len(units), "first_unit_pieces": pieces, "before_bytes": before,
             "peak_bytes": _proc_bytes("/proc/self/status", "VmHWM"), "seconds": time.time() - t0}

@@ -438,11 +438,11 @@ def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList
 
 
 # A .jsonl.gz larger than a unit may be read by several workers at once, each inflating the file from its start and
-# keeping the lines of its own range of compressed bytes. Inflating only to skip runs ~40-90x faster than
-# tokenizing (zlib 300 MB/s of text against SentencePiece's 3.7-7 MB/s here), yet K ranges cost about K/2 times
-# that in extra work (`make bench-corpus`: 11 ranges of one file, 1.13-1.28x the seconds of one unit with 1 worker), so
-# a file is cut only as far as the corpus needs units: to about TARGET_UNITS in all (a corpus of 1,000 large files
-# is not cut; one of 30, into 9 ranges each), at most MAX_GZIP_PIECES ranges a file.
+# keeping the lines of its own range of compressed bytes. Inflating only to skip runs ~40-80x faster than tokenizing
+# (265-300 MB/s of text through `_gzip_lines` on a 92 MB .jsonl.gz, against SentencePiece's 3.7-7 MB/s), yet K ranges
+# cost about K/2 times that in extra work (`make bench-corpus`: 11 ranges of one file, 1.13-1.28x the seconds of one
+# unit with 1 worker), so a file is cut only as far as the corpus needs units: to about TARGET_UNITS in all (a corpus
+# of 1,000 large files is not cut; one of 30, into 9 ranges each), at most MAX_GZIP_PIECES ranges a file.
 MAX_GZIP_PIECES = 16
 TARGET_UNITS = 256
 GZIP_GRID = 1 << 16  # compressed bytes inflated at a time; the ranges of a split .jsonl.gz start at multiples of it
@@ -493,6 +493,8 @@ def _cut(files, unit_bytes: int) -> Iterator[tuple[Piece | None, int | None]]:
     where a unit still open ends without a piece: before a .jsonl.gz's range (a unit of its own) and after the
     last piece. Consecutive pieces make a unit of about `unit_bytes`: a function of the files alone, never of
     the worker count. `files`: read twice (a `SourceList`, a list), first for their total size."""
+    if iter(files) is files:
+        raise TypeError("the files are read twice: pass a SourceList or a list, not an iterator")
     size, open_unit, total = 0, False, sum(file.size for file in files)
     for file in files:
         for piece, piece_bytes in _pieces(file, unit_bytes, total):
@@ -843,8 +845,9 @@ def _unreadable(path: str, e: Exception) -> CorpusError:
     """A read that failed: SourceUnreadable (it may pass: a network file system, a file being copied), or where
     zstd found its data damaged, the CorpusError saying so (the same on every read; a zstd file cut short is the
     former, as a gzip file is)."""
-    if str(e).startswith("ZSTD decompress failed") and "too much memory" in str(e):  # written with zstd --long
-        return CorpusError(f"{path} was compressed with a window larger than this reader takes (zstd --long): "
+    if str(e).startswith("ZSTD decompress failed") and "too much memory" in str(e):  # zstd --long=28 or more
+        return CorpusError(f"{path} was compressed with a window larger than this reader takes (zstd --long=28 or "
+                           f"more; 128 MiB, plain --long, reads): "
                            f"recompress it, e.g. `zstd -dc --long=31 {path} | zstd -o NEW.zst` ({e})")
     if str(e).startswith("ZSTD decompress failed"):
         return CorpusError(f"{path} is damaged (its zstd data: {e}); repair or remove it")

@@ -75,6 +75,8 @@ def build_key(config: RunConfig, files) -> str:
     in ranges, `GZIP_SPLIT`), the [corpus] and [tokenizer] settings, the seed and the format: the SHA-256 of
     `key_blob` as JSON with the files' list in it, hashed as the files come (read twice, as a `SourceList` is),
     not held."""
+    if iter(files) is files:
+        raise TypeError("the files are read twice: pass a SourceList or a list, not an iterator")
     head, tail = json.dumps(key_blob(config), sort_keys=True).split(json.dumps(_FILES_HERE))
     digest = hashlib.sha256(head.encode() + b"[")
     size, total = unit_bytes(config), sum(f.size for f in files)  # the listing read twice, from disk

@@ -138,16 +138,19 @@ def test_copies_that_differ_in_line_ends_or_outer_whitespace_hash_alike_in_every
 
 def _large_jsonl_gz(path: Path) -> list[str]:
     """About 1 MB of gzip in two members (zero bytes between them, as gzip allows), blank lines, a line of
-    300 KB (several GZIP_GRID blocks of compressed bytes) and a last line without a newline; returns its lines."""
+    300 KB (several GZIP_GRID blocks of compressed bytes), one of 1.5 MB that a few KB inflate to (more text than
+    one inflating call gives) and a last line without a newline; returns its lines."""
     import random
     rng = random.Random(3)
     word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))  # noqa: E731
     texts = [" ".join(word() for _ in range(rng.randint(1, 300))) for _ in range(1500)]
     texts[700] = " ".join(word() for _ in range(50_000))
+    texts[1200] = "ab " * 500_000
     lines = [json.dumps({"text": t}) + ("\n\n" if i % 97 == 0 else "\n") for i, t in enumerate(texts)]
     lines[-1] = lines[-1].rstrip("\n")
     raw = "".join(lines).encode()
-    path.write_bytes(gzip.compress(raw[:len(raw) // 2], mtime=0) + b"\0\0\0" + gzip.compress(raw[len(raw) // 2:], mtime=0))
+    half = len(raw) // 2
+    path.write_bytes(gzip.compress(raw[:half], mtime=0) + b"\0\0\0" + gzip.compress(raw[half:], mtime=0))
     return raw.decode().split("\n")
 
 
@@ -168,7 +171,7 @@ def test_a_large_jsonl_gz_is_read_in_ranges_each_a_unit_and_every_line_once(tmp_
     assert size > 8 * sources.GZIP_GRID
     files = source_files(str(raw), tmp_path)
     whole = list(work_units(files, unit_bytes=1 << 30))
-    units = list(work_units(files, unit_bytes=size // 5))
+    units = list(work_units(files, unit_bytes=-(-size // 6)))  # 6 ranges, whatever the size
     pieces = [list(u.pieces) for u in units]
     assert len(whole) == 1 and [len(p) for p in pieces] == [1, 1, 1, 1, 1, 1, 1, 1]  # a.txt, 6 ranges, c.txt
     assert [p[0].file.name for p in pieces] == ["a.txt"] + ["b.jsonl.gz"] * 6 + ["c.txt"]
@@ -183,12 +186,12 @@ def test_a_large_jsonl_gz_is_read_in_ranges_each_a_unit_and_every_line_once(tmp_
     assert all(by_range) and "b.jsonl.gz:701" in sum(by_range, [])  # the 300 KB line, read in one range
     # cut only as far as the corpus needs units: as one of 100 such files, 3 ranges (256 units in all); of 1,000, none
     (big,) = [f for f in files if f.name == "b.jsonl.gz"]
-    assert len(sources.gzip_ranges(big, size // 5, 100 * size)) == 4  # 3 ranges: their starts and the end
-    assert sources.gzip_ranges(big, size // 5, 1000 * size) == [0, size]
+    assert len(sources.gzip_ranges(big, -(-size // 6), 100 * size)) == 4  # 3 ranges: their starts and the end
+    assert sources.gzip_ranges(big, -(-size // 6), 1000 * size) == [0, size]
     # the key names the file's ranges (its units differ from a build's before them); a file of one unit's is as
     # it was, so corpora built before stay current
     config = tiny_config(tmp_path)
-    config.corpus.unit_mb = size / 5 / 2**20
+    config.corpus.unit_mb = -(-size // 6) / 2**20
     listed = [[f.name, f.size, f.mtime_ns] for f in files]
     assert build_key(config, files) != hashlib.sha256(json.dumps({**key_blob(config), "files": listed},
                                                                  sort_keys=True).encode()).hexdigest()
@@ -218,9 +221,9 @@ def test_a_damaged_jsonl_gz_fails_as_gzip_open_failed_on_it(tmp_path):
     from common.sources import SourceUnreadable
     raw = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 20}).encode() + b"\n" for i in range(300)), mtime=0)
     flip = lambda data, i: data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]  # noqa: E731
-    cases = {"crc": flip(raw, -8), "length": flip(raw, -2), "trailing bytes": raw + b"xyz", "one trailing byte": raw + b"x",
-             "zeros in front": b"\0\0" + raw, "cut short": raw[:-10], "not gzip": b"hello", "method": flip(raw, 2),
-             "deflate data": flip(raw, 40)}
+    cases = {"crc": flip(raw, -8), "length": flip(raw, -2), "trailing bytes": raw + b"xyz",
+             "one trailing byte": raw + b"x", "zeros in front": b"\0\0" + raw, "cut short": raw[:-10],
+             "not gzip": b"hello", "method": flip(raw, 2), "deflate data": flip(raw, 40)}
     path = tmp_path / "x.jsonl.gz"
     for case, data in cases.items():
         path.write_bytes(data)
@@ -236,6 +239,14 @@ def test_a_damaged_jsonl_gz_fails_as_gzip_open_failed_on_it(tmp_path):
         assert expected is not None and type(raised.value) is expected and str(path) in str(raised.value), case
     path.write_bytes(raw + b"\0\0" + raw)  # two members, zero bytes between them: read as gzip reads them
     assert len([d for u in work_units(source_files(str(path), tmp_path), 1 << 30) for d in read_unit(u, "text")]) == 600
+    # where zlib is stricter than gzip.open (which ignored both): a header's own CRC wrong, reserved flags set
+    header_crc = raw[:3] + bytes([raw[3] | 0x02]) + raw[4:10] + b"\0\0" + raw[10:]  # FHCRC on, CRC16 0 (wrong)
+    reserved = raw[:3] + bytes([raw[3] | 0x80]) + raw[4:]
+    for case, data in (("header crc", header_crc), ("reserved flags", reserved)):
+        path.write_bytes(data)
+        assert len(list(gzip.open(path, "rb"))) == 300, case
+        with pytest.raises(CorpusError, match=rf"{path} is damaged \(its gzip data"):
+            [d for u in work_units(source_files(str(path), tmp_path), 1 << 30) for d in read_unit(u, "text")]
 
 
 def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp_path):
@@ -261,7 +272,8 @@ def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp
         plain, packed = docs(tmp_path / name), docs(tmp_path / f"{name}.zst")
         assert [t for _, t in packed] == [t for _, t in plain] and len(plain) in (1, 299)
         # named as a gzip file's documents are: by line number, or the file for a text file's one document
-        assert [n for n, _ in packed] == ([f"{name}.zst:{i}" for i in range(1, 300)] if len(plain) > 1 else [f"{name}.zst"])
+        names = [f"{name}.zst:{i}" for i in range(1, 300)] if len(plain) > 1 else [f"{name}.zst"]
+        assert [n for n, _ in packed] == names
     half = len(jsonl) // 2
     (tmp_path / "two.jsonl.zst").write_bytes(zst(jsonl[:half]) + zst(jsonl[half:]))
     assert [t for _, t in docs(tmp_path / "two.jsonl.zst")] == [t for _, t in docs(tmp_path / "a.jsonl")]
@@ -294,7 +306,7 @@ def test_a_corpus_of_one_large_jsonl_gz_builds_from_its_ranges_alike_on_one_and_
     lines = _large_jsonl_gz(tmp_path / "b.jsonl.gz")
     config = tiny_config(tmp_path)
     config.corpus.source = str(tmp_path / "b.jsonl.gz")
-    config.corpus.unit_mb = (tmp_path / "b.jsonl.gz").stat().st_size / 3 / 2**20
+    config.corpus.unit_mb = -(-(tmp_path / "b.jsonl.gz").stat().st_size // 3) / 2**20  # 3 ranges
     build_corpus(config, tmp_path / "one", workers=1, **quiet)
     build_corpus(config, tmp_path / "two", workers=2, **quiet)
     meta = load_corpus_meta(tmp_path / "one")
