@@ -296,10 +296,10 @@ LISTING_FAN_IN = 64  # runs merged at once; past it the runs so far are merged i
 
 class SourceList:
     """A source's files in name order, on disk: iterated as often as needed, a file at a time (`len` counts
-    them). Its runs are deleted with it."""
+    them, `bytes` sums their sizes). Its runs are deleted with it."""
 
-    def __init__(self, folder: str, runs: list[str], count: int):
-        self.runs, self.count = runs, count
+    def __init__(self, folder: str, runs: list[str], count: int, size: int):
+        self.runs, self.count, self.bytes = runs, count, size
         self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)
 
     def __len__(self) -> int:
@@ -345,11 +345,11 @@ def _sorted_on_disk(files: Iterator[SourceFile]) -> SourceList:
         _remove_dead_listings()
     folder = tempfile.mkdtemp(prefix=f"{LISTING_PREFIX}{os.getpid()}-")
     try:
-        runs, batch, count = [], [], 0
+        runs, batch, count, size = [], [], 0, 0
         for file in itertools.chain(files, [None]):
             if file is not None:
                 batch.append(file)
-                count += 1
+                count, size = count + 1, size + file.size
             if batch and (file is None or len(batch) == LISTING_RUN):
                 batch.sort(key=lambda f: f.name)
                 runs.append(_write_run(batch, os.path.join(folder, f"run-{len(runs):06d}.jsonl")))
@@ -360,7 +360,7 @@ def _sorted_on_disk(files: Iterator[SourceFile]) -> SourceList:
                     os.remove(path)
                 runs = [os.path.join(folder, f"merged-{count:012d}.jsonl")]
                 os.replace(merged, runs[0])
-        return SourceList(folder, runs, count)
+        return SourceList(folder, runs, count, size)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -463,6 +463,16 @@ def gzip_ranges(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[int
     return starts + [file.size]
 
 
+def total_bytes(files) -> int:
+    """The files' sizes summed: a `SourceList`'s from its listing (not read again: at 10M files a read of the
+    listing is a merge of its runs from disk), a list's added up. An iterator, which a sum would use up, is refused."""
+    if isinstance(files, SourceList):
+        return files.bytes
+    if iter(files) is files:
+        raise TypeError("the files are read again after their total size: pass a SourceList or a list, not an iterator")
+    return sum(file.size for file in files)
+
+
 def _pieces(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[tuple[Piece, int]]:
     """(piece, bytes) of one file: large plain .jsonl and .txt files in byte ranges (cut at line starts
     when read), Parquet in row groups, a large .jsonl.gz in ranges of its compressed bytes (`gzip_ranges`,
@@ -492,10 +502,8 @@ def _cut(files, unit_bytes: int) -> Iterator[tuple[Piece | None, int | None]]:
     """The files' pieces in order, each with the bytes of the unit it ends (None if it ends none); (None, bytes)
     where a unit still open ends without a piece: before a .jsonl.gz's range (a unit of its own) and after the
     last piece. Consecutive pieces make a unit of about `unit_bytes`: a function of the files alone, never of
-    the worker count. `files`: read twice (a `SourceList`, a list), first for their total size."""
-    if iter(files) is files:
-        raise TypeError("the files are read twice: pass a SourceList or a list, not an iterator")
-    size, open_unit, total = 0, False, sum(file.size for file in files)
+    the worker count. `files`: a `SourceList` or a list (their total size first: `total_bytes`)."""
+    size, open_unit, total = 0, False, total_bytes(files)
     for file in files:
         for piece, piece_bytes in _pieces(file, unit_bytes, total):
             alone = piece.stop >= 0 and file.path.lower().endswith(".gz")  # a .jsonl.gz's range: a unit of its own

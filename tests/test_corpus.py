@@ -184,6 +184,8 @@ def test_a_large_jsonl_gz_is_read_in_ranges_each_a_unit_and_every_line_once(tmp_
     assert read(units) == read(whole) == expected
     by_range = [[d.name for d in read_unit(u, "text")] for u in units[1:-1]]
     assert all(by_range) and "b.jsonl.gz:701" in sum(by_range, [])  # the 300 KB line, read in one range
+    with pytest.raises(TypeError, match="not an iterator"):  # read again after its total: a SourceList or a list
+        list(work_units(iter(list(files)), unit_bytes=size // 5))
     # cut only as far as the corpus needs units: as one of 100 such files, 3 ranges (256 units in all); of 1,000, none
     (big,) = [f for f in files if f.name == "b.jsonl.gz"]
     assert len(sources.gzip_ranges(big, -(-size // 6), 100 * size)) == 4  # 3 ranges: their starts and the end
@@ -1090,6 +1092,7 @@ def test_a_long_listing_is_sorted_on_disk_read_again_and_keyed_as_the_whole_list
     assert [f.name for f in files] == sorted(names) and len(files) == len(names) == 52
     assert [f.name for f in files] == sorted(names)  # a second read
     assert len(files.runs) <= 3 and any("merged" in run for run in files.runs)  # 8 runs of 7, merged twice
+    assert files.bytes == sum(f.size for f in files)  # summed as listed: cutting and keying need not read it again
     config = tiny_config(tmp_path)
     whole = {**key_blob(config), "files": [[f.name, f.size, f.mtime_ns] for f in files]}
     assert build_key(config, files) == hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()
