@@ -141,29 +141,31 @@ def encode_limit_mb_per_s(tokenizer: Path, source: Path, megabytes: float = 20.0
     return size / 1e6 / (time.perf_counter() - t0)
 
 
-def one_gzip_file(source: Path, path: Path) -> None:
-    """The .txt documents of `source`, in name order, as the lines of one .jsonl.gz (gzip's default level)."""
+def one_gzip_file(source: Path, path: Path, level: int = 9) -> int:
+    """The .txt documents of `source`, in name order, as the lines of one .jsonl.gz (JSON objects with a "text"
+    field); returns the bytes of text."""
     import gzip
     import json
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+    tmp, written = path.with_name(path.name + ".tmp"), 0
+    with gzip.open(tmp, "wt", compresslevel=level, encoding="utf-8") as f:
         for doc in sorted(source.rglob("*.txt")):
-            f.write(json.dumps({"text": doc.read_text()}) + "\n")
+            text = doc.read_text()
+            written += len(text.encode())
+            f.write(json.dumps({"text": text}) + "\n")
     tmp.rename(path)
+    return written
 
 
-def gzip_part(config, work: Path, source: Path) -> dict:
+def gzip_part(manifest: Path, work: Path, source: Path) -> dict:
     """One .jsonl.gz of the 1x corpus's documents: 1 worker against 2, cut into ranges, and as one unit."""
     path = work / "one-file" / "docs.jsonl.gz"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         one_gzip_file(source, path)
-    runs, manifests, unit_mb = {}, {}, config.corpus.unit_mb
-    for name, mb in (("ranges", unit_mb), ("one_unit", 2 * path.stat().st_size / 2**20)):
-        config.corpus.unit_mb = mb
-        manifests[name] = work / f"bench-gzip-{name}.toml"
-        manifests[name].write_text(dump_toml(config))
-    config.corpus.unit_mb = unit_mb
+    runs, manifests = {}, {"ranges": manifest, "one_unit": work / "bench-gzip-one_unit.toml"}
+    # unit_mb above the file's size: one unit, as every gzip file was read before its ranges
+    manifests["one_unit"].write_text(dump_toml(load_manifest(manifest, [
+        f"corpus.unit_mb={2 * path.stat().st_size / 2**20}"])))
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         for name in ("ranges", "one_unit"):
             for workers in (1, 2):
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
         result["date_throughput"], result["machine_throughput"] = result.get("date"), result.get("machine")
     now, here = time.strftime("%Y-%m-%d %H:%M"), f"{machine()}, Python {platform.python_version()}"
     if "gzip" in parts:
-        result.update(gzip_part(config, work, sources[1]), date_gzip=now, machine_gzip=here)
+        result.update(gzip_part(manifest, work, sources[1]), date_gzip=now, machine_gzip=here)
     if "throughput" in parts:
         result.update(throughput_part(manifest, args, megabytes, sources), date_throughput=now, machine_throughput=here)
     result.update({"machine": here, "date": now, "parts": sorted(parts)})

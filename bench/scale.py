@@ -291,10 +291,10 @@ def open_seconds(tmp: Path, folders: dict, shards: dict, repeats: int = 5) -> di
     from generate.generator import generate
     from train.data import open_data
     timings = {f"{times}x{'_verify' if verify else ''}": [] for times in (1, 4) for verify in (False, True)}
+    configs = {times: load_manifest(tmp / f"scale-{times}x.toml") for times in (1, 4)}
     for _ in range(repeats):
         for verify in (False, True):
-            for times in (1, 4):
-                config = load_manifest(tmp / f"scale-{times}x.toml")
+            for times, config in configs.items():
                 t0 = time.perf_counter()
                 generate(config, folders[times], config.corpus_dir, config.aux_dir / AUX_FILE, workers=1,
                          log=lambda *_: None, verify=verify)
@@ -310,16 +310,10 @@ def open_seconds(tmp: Path, folders: dict, shards: dict, repeats: int = 5) -> di
 def jsonl_gz(path: Path, megabytes: float, seed: int, cache: Path) -> int:
     """One .jsonl.gz of documents of the embedded text's sentences (`bench.corpus.synthetic_corpus`, all
     distinct); returns the bytes of text."""
-    import gzip
-    from bench.corpus import synthetic_corpus
+    from bench.corpus import one_gzip_file, synthetic_corpus
     folder = cache / f"txt-{seed}"
     synthetic_corpus(folder, megabytes, cache, seed=seed)
-    written = 0
-    with gzip.open(path, "wt", compresslevel=1, encoding="utf-8") as f:
-        for doc in sorted(folder.rglob("*.txt")):
-            text = doc.read_text()
-            written += len(text.encode())
-            f.write(json.dumps({"text": text}) + "\n")
+    written = one_gzip_file(folder, path, level=1)
     shutil.rmtree(folder)
     return written
 

@@ -463,7 +463,7 @@ def gzip_ranges(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[int
     return starts + [file.size]
 
 
-def total_bytes(files) -> int:
+def source_bytes(files) -> int:
     """The files' sizes summed: a `SourceList`'s from its listing (not read again: at 10M files a read of the
     listing is a merge of its runs from disk), a list's added up. An iterator, which a sum would use up, is refused."""
     if isinstance(files, SourceList):
@@ -502,8 +502,8 @@ def _cut(files, unit_bytes: int) -> Iterator[tuple[Piece | None, int | None]]:
     """The files' pieces in order, each with the bytes of the unit it ends (None if it ends none); (None, bytes)
     where a unit still open ends without a piece: before a .jsonl.gz's range (a unit of its own) and after the
     last piece. Consecutive pieces make a unit of about `unit_bytes`: a function of the files alone, never of
-    the worker count. `files`: a `SourceList` or a list (their total size first: `total_bytes`)."""
-    size, open_unit, total = 0, False, total_bytes(files)
+    the worker count. `files`: a `SourceList` or a list (their total size first: `source_bytes`)."""
+    size, open_unit, total = 0, False, source_bytes(files)
     for file in files:
         for piece, piece_bytes in _pieces(file, unit_bytes, total):
             alone = piece.stop >= 0 and file.path.lower().endswith(".gz")  # a .jsonl.gz's range: a unit of its own

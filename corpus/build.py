@@ -40,7 +40,7 @@ from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atom
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
 from common.sources import (GZIP_SPLIT, SUFFIXES, CorpusError, LeftOut, SourceUnreadable, UnitRef, WorkUnit, blocks,
                             check_unchanged, document_hash, gzip_ranges, paragraphs, read_unit, source_files,
-                            total_bytes, write_units)
+                            source_bytes, write_units)
 from common import hf
 from common.parallel import NodeProblem
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
@@ -77,7 +77,7 @@ def build_key(config: RunConfig, files) -> str:
     held."""
     head, tail = json.dumps(key_blob(config), sort_keys=True).split(json.dumps(_FILES_HERE))
     digest = hashlib.sha256(head.encode() + b"[")
-    size, total = unit_bytes(config), total_bytes(files)
+    size, total = unit_bytes(config), source_bytes(files)
     for i, f in enumerate(files):
         split = [GZIP_SPLIT] if len(gzip_ranges(f, size, total)) > 2 else []  # its units differ from a build's before
         digest.update((", " if i else "").encode() + json.dumps([f.name, f.size, f.mtime_ns, *split]).encode())
