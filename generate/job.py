@@ -30,7 +30,8 @@ from common.shards import PLAN_FILE, PROGRESS_FILE
 from common.storage import location
 # Fault injection for tests (real process deaths, not mocks):
 FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # path of a marker file; the first task's process dies
-SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard, to kill a run halfway
+SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard, to kill a run halfway;
+# "S@E": before each shard of training epochs E and later only (a generator a trainer catches up with)
 FAIL_ALWAYS_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ALWAYS"  # set: every task's process dies (past Ray's restarts)
 MEMORY_ENV = "FAST_ELECTRA_MEMORY_BYTES"  # bytes free on every machine and GPU, in place of what they say (tests)
 
@@ -90,7 +91,7 @@ class ShardActor:
     def run(self, task: ShardTask) -> dict:
         if self.problem:
             raise NodeProblem(self.problem)
-        time.sleep(float(os.environ.get(SLOW_ENV, "0")))
+        time.sleep(slow_seconds(os.environ.get(SLOW_ENV, ""), task))
         marker = os.environ.get(FAIL_ONCE_ENV)
         if os.environ.get(FAIL_ALWAYS_ENV) or marker and not os.path.exists(marker):
             if marker:
@@ -164,6 +165,15 @@ def append_progress(out_dir, record: dict) -> None:
 
 def start_ray(address: str | None, workers: int) -> None:
     common_start_ray(address, workers, (FAIL_ONCE_ENV, FAIL_ALWAYS_ENV, SLOW_ENV))
+
+
+def slow_seconds(value: str, task: ShardTask) -> float:
+    """The test throttle `SLOW_ENV` asks of `task`: "S" seconds before every shard, "S@E" before the shards of
+    training epochs E and later."""
+    seconds, _, from_epoch = value.partition("@")
+    if from_epoch and (task.split != "train" or task.epoch < int(from_epoch)):
+        return 0.0
+    return float(seconds or 0)
 
 
 def actor_device(address: str | None, workers: int) -> str:

@@ -19,10 +19,22 @@ from generate.job import SLOW_ENV
 from tests.conftest import ROOT
 
 
-def _generator(manifest, out, seconds_per_shard: float, env):
+def _generator(manifest, out, seconds_per_shard: float | str, env):
+    """`seconds_per_shard`: generate.job.SLOW_ENV's value ("S@E": from training epoch E on)."""
     return subprocess.Popen([sys.executable, "-m", "generate", "--manifest", str(manifest), "--out", str(out),
                              "--workers", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**env, SLOW_ENV: str(seconds_per_shard)}, start_new_session=True)
+
+
+def test_the_generators_test_throttle_can_spare_the_first_epochs():
+    """`SLOW_ENV`'s "S@E" (these tests' generators, fast until the epoch a trainer must catch up in)."""
+    from common.plan import ShardTask
+    from generate.job import slow_seconds
+    task = lambda split, epoch: ShardTask(epoch, 0, split, 0, 0, 1, "x", None)
+    every = [("valid", 10**6), ("train", 0), ("train", 1), ("train", 2)]
+    assert [slow_seconds("1.5", task(*t)) for t in every] == [1.5, 1.5, 1.5, 1.5]
+    assert [slow_seconds("1.0@1", task(*t)) for t in every] == [0.0, 0.0, 1.0, 1.0]
+    assert slow_seconds("", task("train", 0)) == 0.0
 
 
 def _trainer(manifest, data, run, env, *extra):
@@ -59,7 +71,7 @@ def test_a_trainer_started_during_the_second_epoch_ends_with_the_losses_of_the_f
         generated, trained_reference, tmp_path, env_with_repo):
     manifest, _, _ = generated
     data = tmp_path / "epochs"
-    gen = _generator(manifest, data, 1.0, env_with_repo)
+    gen = _generator(manifest, data, "1.0@1", env_with_repo)  # the first epoch at full speed
     plan = None
     try:
         _wait_for(lambda: (data / "plan.json").is_file(), "plan.json")
@@ -144,7 +156,7 @@ def test_sigterm_to_a_trainer_waiting_for_a_shard_stops_it_at_once_naming_its_ch
     it cannot checkpoint between updates, so it names the newest checkpoint the rerun goes on from."""
     manifest, _, _ = generated
     data, run = tmp_path / "epochs", tmp_path / "run"
-    gen = _generator(manifest, data, 4.0, env_with_repo)  # a shard every 4 s; its 5 steps take about a second
+    gen = _generator(manifest, data, "4.0@0", env_with_repo)  # a training shard every 4 s; its 5 steps take ~1 s
     try:
         trainer = _trainer(manifest, data, run, env_with_repo, "--follow", "--follow-timeout", "120")
         _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(_losses(run)) >= 5, "the first shard's steps")
@@ -176,7 +188,7 @@ def test_a_micro_batch_too_large_is_refused_before_the_trainer_waits_for_a_gener
 
 @pytest.mark.slow
 def test_sigterm_while_a_finished_folders_read_is_slow_stops_after_the_update_with_a_checkpoint(
-        generated, tmp_path, monkeypatch):
+        generated, built, tmp_path, monkeypatch):
     """Only a wait for a generator's shards (--follow) is given up on a SIGTERM; a slow read of a finished folder
     (object storage, a busy network file system) is waited for, and the run stops after that update with its
     checkpoint, as at any other step (it stopped without one, losing up to ckpt_every updates)."""
@@ -187,8 +199,9 @@ def test_sigterm_while_a_finished_folders_read_is_slow_stops_after_the_update_wi
     manifest, data, _ = generated
     real = train_data.ShardStream.rows
 
-    def slow(self, start, stop):  # longer than the wait's poll (1 s): the signal comes while it waits
-        time.sleep(2.5)
+    def slow(self, start, stop):  # step 2's rows, longer than the wait's poll (1 s): the signal comes while it waits
+        if start == built.train.batch_size:
+            time.sleep(2.5)
         return real(self, start, stop)
     monkeypatch.setattr(train_data.ShardStream, "rows", slow)
     torch.set_num_threads(1)
