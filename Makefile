@@ -174,8 +174,8 @@ bench-scale: setup
 bench-flops: setup
 	$(PY) -m bench.flops --json bench/results/flops.json --md bench/results/flops.md
 
-# Two test processes (pytest-xdist): most slow tests wait on subprocess and Ray start-up, so two at a time
-# take ~8 min on 2 cores instead of ~12-13. TEST_WORKERS=0 runs them in this process, one by one.
+# Two test processes (pytest-xdist), one a core: ~10 min on 2 cores instead of ~19 one at a time; a third did
+# not pay (docs/benchmarks.md, "The test suite"). TEST_WORKERS=0 runs them in this process, one by one.
 # One torch thread per process (TEST_THREADS): two test processes, each starting trainers and actors with a
 # thread per core, would run twice as many threads as cores, and idle OpenMP threads spin.
 TEST_WORKERS ?= 2

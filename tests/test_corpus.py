@@ -554,7 +554,7 @@ def test_kill_9_during_the_build_then_a_rerun_gives_the_same_bytes(tmp_path, env
     config = tiny_config(tmp_path)
     manifest = tmp_path / "m.toml"
     manifest.write_text(dump_toml(config))
-    build_corpus(config, tmp_path / "reference", workers=2, **quiet)
+    build_corpus(config, tmp_path / "reference", workers=1, **quiet)  # in this process: no Ray to start
     cmd = [sys.executable, "-m", "corpus", "--manifest", str(manifest), "--workers", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env_with_repo, SLOW_ENV: "1.5"}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
