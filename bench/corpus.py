@@ -20,6 +20,8 @@ sentences, so none is a duplicate), then runs `python -m corpus` on it, measured
                           file was read before its ranges (unit_mb above the file's size); target >= 1.5
   one_zstd_speedup_2_workers   (part `zstd`) the same as one .jsonl.zst (zstd level 3, as the `zstd` tool
                           writes by default), likewise; target >= 1.5
+  one_txt_gz_speedup_2_workers (part `txt_gz`) the same as one .txt.gz of the documents one after another (read
+                          as documents of 8 MiB of its lines), likewise; target >= 1.5
 Fixed costs that do not grow with the corpus (Ray's start, training the tokenizer on its bounded
 sample, publishing) are reported apart. Writes bench/results/corpus.json and corpus.md.
 """
@@ -145,7 +147,8 @@ def encode_limit_mb_per_s(tokenizer: Path, source: Path, megabytes: float = 20.0
 
 def one_compressed_file(source: Path, path: Path, level: int = 0) -> int:
     """The .txt documents of `source`, in name order, as the lines of one .jsonl.gz or .jsonl.zst (with its
-    checksum) of JSON objects with a "text" field, at `level` (0: gzip's 9, zstd's 3); returns the bytes of text."""
+    checksum) of JSON objects with a "text" field, or one after another in a .txt.gz or .txt.zst, at `level` (0:
+    gzip's 9, zstd's 3); returns the bytes of text."""
     import gzip
     import io
     import json
@@ -157,15 +160,18 @@ def one_compressed_file(source: Path, path: Path, level: int = 0) -> int:
         for doc in sorted(source.rglob("*.txt")):
             text = doc.read_text()
             written += len(text.encode())
-            f.write(json.dumps({"text": text}) + "\n")
+            f.write(json.dumps({"text": text}) + "\n" if ".jsonl." in path.name else text + "\n")
     tmp.rename(path)
     return written
 
 
+COMPRESSED_PARTS = {"gzip": "jsonl.gz", "zstd": "jsonl.zst", "txt_gz": "txt.gz"}  # part: the file it builds
+
+
 def compressed_part(manifest: Path, work: Path, source: Path, kind: str) -> dict:
-    """One .jsonl.gz (kind "gzip") or .jsonl.zst ("zstd") of the 1x corpus's documents: 1 worker against 2, cut
-    into ranges, and as one unit."""
-    path = work / "one-file" / f"docs.jsonl.{'gz' if kind == 'gzip' else 'zst'}"
+    """One .jsonl.gz (kind "gzip"), .jsonl.zst ("zstd") or .txt.gz ("txt_gz") of the 1x corpus's documents: 1
+    worker against 2, cut into ranges, and as one unit."""
+    path = work / "one-file" / f"docs.{COMPRESSED_PARTS[kind]}"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         one_compressed_file(source, path)
@@ -192,13 +198,14 @@ def main(argv=None) -> int:
     parser.add_argument("--mb", type=float, default=200.0, help="size of the 1x synthetic corpus")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default="work/bench-corpus")
-    parser.add_argument("--parts", default="throughput,gzip,zstd",
+    parser.add_argument("--parts", default="throughput,gzip,zstd,txt_gz",
                         help="throughput (workers, memory, the tokenizer's limit), gzip (one .jsonl.gz), zstd (one "
-                             ".jsonl.zst); a part left out keeps its figures from the results file")
+                             ".jsonl.zst), txt_gz (one .txt.gz); a part left out keeps its figures from the results "
+                             "file")
     args = parser.parse_args(argv)
-    parts, known = set(args.parts.split(",")), {"throughput", "gzip", "zstd"}
+    parts, known = set(args.parts.split(",")), {"throughput", *COMPRESSED_PARTS}
     if not parts <= known:
-        parser.error(f"--parts: unknown {', '.join(sorted(parts - known))} (throughput, gzip, zstd)")
+        parser.error(f"--parts: unknown {', '.join(sorted(parts - known))} ({', '.join(sorted(known))})")
     config = load_manifest(args.manifest)
     config.corpus.unit_mb = 8.0
     config.tokenizer.max_sentences = 50_000  # a bounded sample: its cost does not grow with the corpus
@@ -221,7 +228,7 @@ def main(argv=None) -> int:
     if "parts" not in result:  # results written before the parts were: one date and machine for all
         result["date_throughput"], result["machine_throughput"] = result.get("date"), result.get("machine")
     now, here = time.strftime("%Y-%m-%d %H:%M"), f"{machine()}, Python {platform.python_version()}"
-    for kind in ("gzip", "zstd"):
+    for kind in COMPRESSED_PARTS:
         if kind in parts:
             result.update(compressed_part(manifest, work, sources[1], kind), **{f"date_{kind}": now,
                                                                                   f"machine_{kind}": here})
@@ -232,17 +239,18 @@ def main(argv=None) -> int:
     md = ["# bench-corpus", "",
           f"`python -m bench.corpus --mb {args.mb:g} --parts {args.parts}` on {result['machine']}, {result['date']}; "
           f"each part's figures from its last run (throughput {result.get('date_throughput')} on "
-          f"{result.get('machine_throughput')}, gzip {result.get('date_gzip')} on {result.get('machine_gzip')}, zstd "
-          f"{result.get('date_zstd')} on {result.get('machine_zstd')}): "
+          f"{result.get('machine_throughput')}"
+          + "".join(f", {kind} {result.get(f'date_{kind}')} on {result.get(f'machine_{kind}')}"
+                    for kind in COMPRESSED_PARTS) + "): "
           f"a synthetic corpus of {megabytes[1]:.0f} MB of reshuffled sentences of the "
           f"embedded texts.", "", "| measure | value | target |", "|---|---|---|"]
     if "mb_per_s" in result:
         md += throughput_rows(result)
-    for kind, suffix in (("gzip", "gz"), ("zstd", "zst")):
+    for kind, name in COMPRESSED_PARTS.items():
         if f"one_{kind}_speedup_2_workers" in result:
-            md += [f"| one .jsonl.{suffix} ({result[f'one_{kind}_mb']:.0f} MB) in ranges: speedup_2_workers "
+            md += [f"| one .{name} ({result[f'one_{kind}_mb']:.0f} MB) in ranges: speedup_2_workers "
                    f"(`one_{kind}_speedup_2_workers`) | {result[f'one_{kind}_speedup_2_workers']:.3f} | >= 1.5 |",
-                   f"| the same file as one unit (every {kind} file before its ranges) | "
+                   f"| the same file as one unit (every such file before its ranges) | "
                    f"{result[f'one_{kind}_speedup_2_workers_one_unit']:.3f} | |",
                    f"| 1 worker, ranges / one unit (what skipping to a range costs) | "
                    f"{result[f'one_{kind}_ranges_vs_one_unit_1_worker']:.3f} | |"]

@@ -3,8 +3,8 @@
 A source is one file or a folder tree of `.txt` / `.txt.gz` / `.txt.zst` (one document per file), `.jsonl` /
 `.jsonl.gz` / `.jsonl.zst` (one document per line, in its `text_column` field) and `.parquet` (one per row).
 `source_files` lists it (sorted on disk, `SourceList`), `work_units` cuts it into units that workers
-read independently (small files grouped, large `.jsonl` files cut into byte ranges, large `.jsonl.gz` and
-`.jsonl.zst` files into ranges of their compressed bytes, Parquet files into row groups), `write_units` puts them
+read independently (small files grouped, large `.jsonl` and `.txt` files cut into byte ranges, large
+compressed ones into ranges of their compressed bytes, Parquet files into row groups), `write_units` puts them
 in a file for the workers, and `read_unit` yields a unit's documents one at a time, cleaned. Nothing here holds
 more than one document (or one Parquet batch), a run of the listing or a unit's pieces in memory. Input that is
 not text stops with a CorpusError that names the file (and the line or row).
@@ -227,8 +227,9 @@ class SourceFile:
 @dataclass(frozen=True, slots=True)
 class Piece:
     """Part of one file: the lines starting in bytes [start, stop) of a plain .jsonl or .txt (stop -1: to
-    the end), the lines whose first byte compressed bytes [start, stop) of a .jsonl.gz or .jsonl.zst decode to
-    (`_ranged_lines`), row groups [start, stop) of a Parquet file, or the whole file (0, -1)."""
+    the end), the lines (a .txt's documents) whose first byte compressed bytes [start, stop) of a compressed
+    file decode to (`_ranged_lines`, `_read_text_stream`), row groups [start, stop) of a Parquet file, or the
+    whole file (0, -1)."""
     file: SourceFile
     start: int = 0
     stop: int = -1
@@ -437,9 +438,10 @@ def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList
     return files
 
 
-# A .jsonl.gz or .jsonl.zst larger than a unit may be read by several workers at once, each decoding the file from its
-# start and keeping the lines of its own range of compressed bytes. Decoding only to skip runs ~40-150x faster than
-# tokenizing (265-300 MB/s of text through zlib on a 92 MB .jsonl.gz, about 560 MB/s through zstd, against
+# A compressed file (.jsonl.gz, .jsonl.zst, .txt.gz, .txt.zst) larger than a unit may be read by several workers at
+# once, each decoding the file from its start and keeping the lines (a .txt's documents) of its own range of compressed
+# bytes. Decoding only to skip runs ~40-150x faster than
+# tokenizing (265-300 MB/s of text through zlib on a 92 MB .jsonl.gz, about 500 MB/s through zstd, against
 # SentencePiece's 3.7-7 MB/s), yet K ranges cost about K/2 times that in extra work (`make bench-corpus`: 11 ranges of
 # one .jsonl.gz, 1.13-1.28x the seconds of one unit with 1 worker), so a file is cut only as far as the corpus needs
 # units: to about TARGET_UNITS in all (a corpus of 1,000 large files is not cut; one of 30, into 9 ranges each), at
@@ -447,23 +449,22 @@ def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList
 MAX_GZIP_PIECES = 16
 TARGET_UNITS = 256
 GZIP_GRID = 1 << 16  # compressed bytes inflated at a time; the ranges of a split file start at multiples of it
-# In the corpus key of a file cut so (built before, it was one unit); a change to the three constants above makes
-# other units of the same files, so it needs another marker.
-GZIP_SPLIT = "jsonl.gz ranges v1"
-ZSTD_SPLIT = "jsonl.zst ranges v1"
+# In the corpus key of a file cut so (`split_marker`; built before, it was one unit); a change to the three constants
+# above makes other units of the same files, so it needs another version.
+SPLIT_VERSION = "ranges v1"
 _INFLATE_BLOCK = 1 << 18  # text inflated in one call at most: a highly compressed stretch stays bounded
 
 
 def split_marker(file: SourceFile) -> str:
-    """The corpus key's marker of a file that `compressed_ranges` may cut (GZIP_SPLIT or ZSTD_SPLIT)."""
-    return ZSTD_SPLIT if file.path.lower().endswith(".zst") else GZIP_SPLIT
+    """The corpus key's marker of a file that `compressed_ranges` cuts: "jsonl.gz ranges v1" and the like."""
+    return f"{file.kind}{'.zst' if file.path.lower().endswith('.zst') else '.gz'} {SPLIT_VERSION}"
 
 
 def compressed_ranges(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[int]:
-    """The starts of a .jsonl.gz's or .jsonl.zst's ranges and its size, [0, ..., size], by compressed bytes (each
+    """The starts of a compressed .jsonl's or .txt's ranges and its size, [0, ..., size], by compressed bytes (each
     start a multiple of GZIP_GRID), for a source of `total_bytes` in all: as many ranges as its share of
     TARGET_UNITS, no more than the units it holds, at most MAX_GZIP_PIECES. One range (whole) for any other file."""
-    if file.kind != "jsonl" or not file.path.lower().endswith(COMPRESSED) or file.size <= unit_bytes:
+    if file.kind == "parquet" or not file.path.lower().endswith(COMPRESSED) or file.size <= unit_bytes:
         return [0, file.size]
     count = min(MAX_GZIP_PIECES, -(-file.size // unit_bytes), -(-file.size * TARGET_UNITS // max(total_bytes, 1)))
     starts = sorted({k * file.size // count // GZIP_GRID * GZIP_GRID for k in range(count)})
@@ -482,9 +483,9 @@ def source_bytes(files) -> int:
 
 def _pieces(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[tuple[Piece, int]]:
     """(piece, bytes) of one file: large plain .jsonl and .txt files in byte ranges (cut at line starts
-    when read), Parquet in row groups, a large .jsonl.gz or .jsonl.zst in ranges of its compressed bytes
-    (`compressed_ranges`, each range its own unit; `_ranged_lines`). Any other compressed file is one piece, read
-    as a stream."""
+    when read), Parquet in row groups, a large compressed .jsonl or .txt in ranges of its compressed bytes
+    (`compressed_ranges`, each range its own unit; `_ranged_lines`, `_read_text_stream`). Any other compressed
+    file is one piece, read as a stream."""
     if len(cuts := compressed_ranges(file, unit_bytes, total_bytes)) > 2:
         return [(Piece(file, a, b), b - a) for a, b in zip(cuts, cuts[1:])]
     if file.kind in ("jsonl", "txt") and not file.path.lower().endswith(COMPRESSED) and file.size > unit_bytes:
@@ -589,21 +590,24 @@ def _jsonl_lines(piece: Piece) -> Iterator[tuple[int | None, int, bytes]]:
 
 
 def _open_stream(path: str):
-    """A compressed source file as a buffered binary stream (gzip, or zstd a block at a time), a plain one as
-    it is."""
+    """A compressed source file as a buffered binary stream over its decoded chunks (`_ChunkStream`: gzip by
+    `_inflated`, zstd by `_zstd_blocks`; `.raw.offset_at` says which compressed bytes a text byte came from), a
+    plain one as it is."""
     lower = path.lower()
     if lower.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return io.BufferedReader(_ChunkStream(_inflated(path)), 1 << 20)
     if lower.endswith(".zst"):
         return io.BufferedReader(_ChunkStream(_zstd_blocks(path)), 1 << 20)
     return open(path, "rb")
 
 
 class _ChunkStream(io.RawIOBase):
-    """A raw binary stream over the texts of (offset, text) chunks (`_zstd_blocks`)."""
+    """A raw binary stream over the texts of (offset, text) chunks (`_inflated`, `_zstd_blocks`), which
+    remembers the chunks it read since the last `offset_at`."""
 
     def __init__(self, chunks: Iterator[tuple[int, bytes]]):
-        self._chunks, self._text = chunks, memoryview(b"")
+        self._chunks, self._text, self._end = chunks, memoryview(b""), 0
+        self._starts: list[tuple[int, int]] = []  # (position of its first text byte, offset) of each chunk
 
     def readable(self) -> bool:
         return True
@@ -613,10 +617,20 @@ class _ChunkStream(io.RawIOBase):
             chunk = next(self._chunks, None)
             if chunk is None:
                 return 0
+            if chunk[1]:
+                self._starts.append((self._end, chunk[0]))
+                self._end += len(chunk[1])
             self._text = memoryview(chunk[1])
         n = min(len(buffer), len(self._text))
         buffer[:n], self._text = self._text[:n], self._text[n:]
         return n
+
+    def offset_at(self, position: int) -> int:
+        """The offset of the chunk whose text holds text byte `position` (read already; positions asked in
+        increasing order: the chunks before it are forgotten)."""
+        i = bisect.bisect_right(self._starts, (position, math.inf)) - 1
+        del self._starts[:i]
+        return self._starts[0][1]
 
     def close(self) -> None:
         self._chunks.close()
@@ -676,7 +690,8 @@ def _zstd_blocks(path: str) -> Iterator[tuple[int, bytes]]:
                     raise ZstdDamaged(f"the block at byte {f.tell() - 3} is of a reserved type or larger than "
                                       f"128 KiB")
                 data = pending + header + read(1 if kind == 1 else block_size) + (read(4) if last and checksum else b"")
-                yield block_at, decoder.decompress(data)
+                if text := decoder.decompress(data):  # an empty block (a stream writer's flush) or frame: nothing
+                    yield block_at, text
                 pending, block_at = b"", f.tell()
             if not decoder.eof:
                 raise ZstdDamaged(f"the frame at byte {offset} does not end where its last block does")
@@ -734,6 +749,8 @@ def _ranged_lines(piece: Piece, chunks: Iterator[tuple[int, bytes]]) -> Iterator
     stop = math.inf if piece.stop < 0 else piece.stop
     number, line, ours, at_start = 1, [], False, True  # ours: the line being read started in the range
     for offset, text in chunks:
+        if not text:  # no text: what the last chunk's last byte was still holds
+            continue
         if offset < piece.start:
             number += text.count(b"\n")
             at_start = text.endswith(b"\n")
@@ -865,7 +882,8 @@ def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
         yield from _read_jsonl(piece, text_column)
     elif piece.file.kind == "parquet":
         yield from _read_parquet(piece, text_column)
-    elif piece.stop >= 0:  # a large plain .txt in line-aligned byte ranges: each range one document
+    elif piece.stop >= 0 and not piece.file.path.lower().endswith(COMPRESSED):  # a large plain .txt in line-aligned
+        # byte ranges: each range one document
         try:
             with open(piece.file.path, "rb") as f:
                 begin, end = _text_cut(f, piece.start, piece.file.size), _text_cut(f, piece.stop, piece.file.size)
@@ -878,7 +896,7 @@ def _read_piece(piece: Piece, text_column: str) -> Iterator[Document | CorpusErr
             yield Document(f"{piece.file.name}:{piece.start}", strip_gutenberg(decode(raw, where)))
         except CorpusError as e:
             yield e
-    else:  # a whole text file (a .txt.gz, or a .txt within one unit), streamed: documents of its lines
+    else:  # a whole text file (a .txt within one unit, a compressed one or one of its ranges), streamed
         yield from _read_text_stream(piece)
 
 
@@ -908,12 +926,15 @@ def _text_cut(f, x: int, size: int) -> int:
 
 
 def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
-    """A whole text file, one document named by the file: a plain .txt here is within one unit. A .txt.gz
-    is one unit whatever its size: past TEXT_DOCUMENT_BYTES of text it is one document per that many bytes of
-    its lines (named file:offset, like a large plain file's ranges; a line of megabytes cut at a space, or
-    with none at a character's start), the Gutenberg header cut from the first and nothing read past the END
-    marker: memory stays flat however large the file, or one of its lines, is."""
+    """A whole text file, one document named by the file: a plain .txt here is within one unit. A compressed
+    .txt past TEXT_DOCUMENT_BYTES of text is one document per that many bytes of its lines (named file:offset,
+    like a large plain file's ranges; a line of megabytes cut at a space, or with none at a character's start),
+    the Gutenberg header cut from the first and nothing read past the END marker: memory stays flat however
+    large the file, or one of its lines, is. A range of its compressed bytes [start, stop) (a large file:
+    `compressed_ranges`) yields the documents whose first byte it decodes to; the documents before it are read
+    (each reader cuts the same documents) and passed over, one past it too (a document is placed once whole)."""
     compressed = piece.file.path.lower().endswith(COMPRESSED)
+    stop = math.inf if piece.stop < 0 else piece.stop
 
     def document(lines: list[bytes], start: int, whole: bool) -> tuple[Document | CorpusError, bool]:
         where = piece.file.path if whole else f"{piece.file.path} (bytes from {start})"
@@ -935,12 +956,17 @@ def _read_text_stream(piece: Piece) -> Iterator[Document | CorpusError]:
                         if k == 0:  # none: before its last character's first byte, not inside the character
                             k = next((j for j in range(len(line) - 1, 0, -1) if line[j] & 0xC0 != 0x80), 0)
                         lines[-1], carry = line[:k], line[k:]
-                    doc, ended = document(lines, start, False)
-                    yield doc
+                    at = f.raw.offset_at(start)  # the compressed bytes its first byte came from
+                    if at >= stop:
+                        return
+                    doc, ended = document(lines, start, False)  # read before the range too: the END marker
+                    if at >= piece.start:
+                        yield doc
                     if ended:  # the licence that follows the work
                         return
                     lines, start, size = [carry] if carry else [], start + size - len(carry), len(carry)
-            if lines or start == 0:
+            at = f.raw.offset_at(start) if compressed and lines else 0
+            if (lines or start == 0) and piece.start <= at < stop:
                 yield document(lines, start, start == 0)[0]
     except (OSError, EOFError) as e:
         raise _unreadable(piece.file.path, e) from e

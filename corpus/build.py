@@ -71,8 +71,8 @@ def unit_bytes(config: RunConfig) -> int:
 
 
 def build_key(config: RunConfig, files) -> str:
-    """What a corpus's bytes depend on: every source file (name, size, modification time; for a .jsonl.gz or
-    .jsonl.zst read in ranges, `split_marker`), the [corpus] and [tokenizer] settings, the seed and the format:
+    """What a corpus's bytes depend on: every source file (name, size, modification time; for a compressed file
+    read in ranges, `split_marker`), the [corpus] and [tokenizer] settings, the seed and the format:
     the SHA-256 of `key_blob` as JSON with the files' list in it, hashed as the files come (a `SourceList` or a
     list), not held."""
     head, tail = json.dumps(key_blob(config), sort_keys=True).split(json.dumps(_FILES_HERE))

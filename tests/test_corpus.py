@@ -200,7 +200,7 @@ def test_a_large_compressed_jsonl_is_read_in_ranges_each_a_unit_and_every_line_o
     (big,) = [f for f in files if f.name == name]
     assert len(sources.compressed_ranges(big, -(-size // 6), 100 * size)) == 4  # 3 ranges: their starts and the end
     assert sources.compressed_ranges(big, -(-size // 6), 1000 * size) == [0, size]
-    assert sources.split_marker(big) == {"gz": sources.GZIP_SPLIT, "zst": sources.ZSTD_SPLIT}[suffix]
+    assert sources.split_marker(big) == f"jsonl.{suffix} ranges v1"
     # the key names the file's ranges (its units differ from a build's before them); a file of one unit's is as
     # it was, so corpora built before stay current
     config = tiny_config(tmp_path)
@@ -311,7 +311,18 @@ def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp
     wide.write_bytes(b"\x28\xb5\x2f\xfd" + bytes([0x00, (31 - 10) << 3]) + bytes([0x09, 0x00, 0x00]) + b"a")
     with pytest.raises(CorpusError, match=rf"{wide} was compressed with a window larger .*zstd -dc --long=31"):
         docs(wide)
-    from common.sources import _zstd_blocks
+    from common.sources import SourceFile, _ranged_lines, _zstd_blocks
+    # a chunk without text (an empty frame, a stream writer's flush) just before a range's start: the range's
+    # first line is still its own (it was lost: the empty chunk read as a line's middle)
+    chunks = [(0, b"a\n"), (5, b""), (10, b"b\n"), (20, b"c\n")]
+    source = SourceFile("x.jsonl.zst", "x.jsonl.zst", "jsonl", 30, 0)
+    assert [[line for _, _, line in _ranged_lines(Piece(source, a, b), iter(chunks))] for a, b in ((0, 10), (10, 30))] \
+        == [[b"a\n"], [b"b\n", b"c\n"]]
+    import zstandard
+    empty = tmp_path / "empty-frame.jsonl.zst"
+    empty.write_bytes(zst(jsonl[:half]) + zstandard.ZstdCompressor().compress(b"") + zst(jsonl[half:]))
+    assert all(text for _, text in _zstd_blocks(str(empty))) and \
+        [t for _, t in docs(empty)] == [t for _, t in docs(tmp_path / "a.jsonl")]
     dense = tmp_path / "dense.txt.zst"
     dense.write_bytes(zst(b"a" * (16 << 20)))
     assert dense.stat().st_size < (16 << 20) // 10_000
@@ -372,6 +383,44 @@ def test_a_large_txt_gz_is_read_in_documents_of_its_lines(tmp_path, monkeypatch)
     docs = [d for u in work_units(source_files(str(tmp_path / "book.txt.gz"), tmp_path), 1 << 20)
             for d in read_unit(u, "text")]
     assert [line.strip() for d in docs for line in d.text.splitlines()] == [line.strip() for line in lines]
+
+
+@pytest.mark.parametrize("suffix", ["gz", "zst"])
+def test_a_large_compressed_txt_is_read_in_ranges_as_the_documents_of_a_whole_read(tmp_path, monkeypatch, suffix):
+    """A .txt.gz or .txt.zst larger than a unit was one unit, read by one worker however large (a sentence a line,
+    gigabytes of it): now ranges of its compressed bytes like a compressed .jsonl's, each reader cutting the file's
+    documents from its start as a whole read cuts them (lines of megabytes at a space) and keeping those whose
+    first byte its range decodes to. The documents (names, texts) are a whole read's: a Gutenberg book's header
+    cut from the first, nothing past its END marker in any range."""
+    import random
+    import common.sources as sources
+    monkeypatch.setattr(sources, "TEXT_DOCUMENT_BYTES", 20_000)
+    monkeypatch.setattr(sources, "LONG_LINE_BYTES", 5_000)
+    rng = random.Random(5)
+    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))  # noqa: E731
+    lines = [" ".join(word() for _ in range(rng.randint(1, 2000 if i % 50 == 0 else 30))) + "\n" for i in range(4000)]
+    book = "".join(["*** START OF THE PROJECT GUTENBERG EBOOK X ***\n", *lines,
+                    "*** END OF THE PROJECT GUTENBERG EBOOK X ***\n",
+                    *[f"licence clause {i}: {word()} {word()} {word()}\n" for i in range(16_000)]]).encode()
+    path = tmp_path / f"book.txt.{suffix}"
+    if suffix == "zst":
+        import zstandard
+        half = len(book) // 2
+        path.write_bytes(zstandard.ZstdCompressor().compress(book[:half]) + zstandard.ZstdCompressor().compress(b"")
+                         + zstandard.ZstdCompressor().compress(book[half:]))  # an empty frame between them
+    else:
+        path.write_bytes(gzip.compress(book, mtime=0))
+    files = source_files(str(path), tmp_path)
+    read = lambda unit: [(d.name, d.text) for d in read_unit(unit, "text")]  # noqa: E731
+    (whole,) = work_units(files, 1 << 30)
+    expected = read(whole)
+    assert len(expected) > 20 and "START OF THE" not in expected[0][1] and expected[0][0] == f"book.txt.{suffix}:0"
+    assert [w for _, text in expected for w in text.split()] == [w for line in lines for w in line.split()]
+    units = list(work_units(files, -(-path.stat().st_size // 6)))
+    by_range = [read(u) for u in units]
+    assert len(units) == 6 and sum(by_range, []) == expected
+    assert all(by_range[:3]) and not by_range[-1]  # the licence, past the END marker, holds the last range
+    assert sources.split_marker(units[0].pieces[0].file) == f"txt.{suffix} ranges v1"
 
 
 def test_a_text_of_one_long_line_is_cut_at_spaces_plain_or_compressed(tmp_path, monkeypatch):
@@ -645,7 +694,8 @@ def test_a_source_file_that_fails_to_read_keeps_the_work_and_the_same_command_co
     config = tiny_config(tmp_path)
     build_corpus(config, tmp_path / "reference", **quiet)
     _flip_keeping_stat(gz, -8)  # the gzip trailer's CRC: the whole file is read, then refused
-    with pytest.raises(CorpusError, match=r"zz\.txt\.gz cannot be read.*CRC.*kept in .*\.corpus\.staging"):
+    with pytest.raises(CorpusError,
+                       match=r"zz\.txt\.gz cannot be read.*incorrect data check.*kept in .*\.corpus\.staging"):
         build_corpus(config, config.corpus_dir, **quiet)
     staging = tmp_path / ".corpus.staging"
     scanned = len(list((staging / "scan").glob("*.json")))
