@@ -679,6 +679,11 @@ def _zstd_blocks(path: str) -> Iterator[tuple[int, bytes]]:
                 raise ZstdDamaged(f"the frame at byte {offset} sets a reserved bit")
             rest = (0 if single else 1) + (0, 1, 2, 4)[dictionary] + (single, 2, 4, 8)[fcs]
             pending = head + bytes([descriptor]) + read(rest)  # fed with the frame's first block
+            at = 5 + (0 if single else 1)
+            if dictionary and (dictionary_id := int.from_bytes(pending[at:at + (0, 1, 2, 4)[dictionary]], "little")):
+                raise CorpusError(f"{path} was compressed with a zstd dictionary (id {dictionary_id}), which this reader "
+                                  f"does not take: recompress it without one, e.g. `zstd -dc -D DICTIONARY {path} | "
+                                  f"zstd -o NEW.zst`")
             checksum = descriptor >> 2 & 1
             decoder = zstandard.ZstdDecompressor().decompressobj()
             block_at, last = offset, False

@@ -323,6 +323,12 @@ def test_zstd_sources_are_read_as_their_plain_text_and_their_damage_is_named(tmp
     empty.write_bytes(zst(jsonl[:half]) + zstandard.ZstdCompressor().compress(b"") + zst(jsonl[half:]))
     assert all(text for _, text in _zstd_blocks(str(empty))) and \
         [t for _, t in docs(empty)] == [t for _, t in docs(tmp_path / "a.jsonl")]
+    samples = [json.dumps({"text": f"document {i} " + "words " * (i % 17)}).encode() for i in range(2000)]
+    dictionary = zstandard.train_dictionary(4096, samples)
+    (tmp_path / "dictionary.jsonl.zst").write_bytes(zstandard.ZstdCompressor(dict_data=dictionary).compress(jsonl))
+    with pytest.raises(CorpusError, match=rf"dictionary.jsonl.zst was compressed with a zstd dictionary \(id "
+                                          rf"{dictionary.dict_id()}\), which this reader does not take"):
+        docs(tmp_path / "dictionary.jsonl.zst")
     dense = tmp_path / "dense.txt.zst"
     dense.write_bytes(zst(b"a" * (16 << 20)))
     assert dense.stat().st_size < (16 << 20) // 10_000
