@@ -85,7 +85,7 @@ def strip_gutenberg(text: str) -> str:
 
 
 def gutenberg_part(text: str, first: bool) -> tuple[str, bool]:
-    """`strip_gutenberg` for one of a file's consecutive parts (a large .txt.gz read in documents): the header
+    """`strip_gutenberg` for one of a file's consecutive parts (a large compressed .txt read in documents): the header
     is cut from the first part only; returns the part and whether it held the END marker (what follows is the
     licence, not the work)."""
     text = clean_text(text)
@@ -463,10 +463,15 @@ def split_marker(file: SourceFile) -> str:
 def compressed_ranges(file: SourceFile, unit_bytes: int, total_bytes: int) -> list[int]:
     """The starts of a compressed .jsonl's or .txt's ranges and its size, [0, ..., size], by compressed bytes (each
     start a multiple of GZIP_GRID), for a source of `total_bytes` in all: as many ranges as its share of
-    TARGET_UNITS, no more than the units it holds, at most MAX_GZIP_PIECES. One range (whole) for any other file."""
+    TARGET_UNITS, no more than the units it holds, at most MAX_GZIP_PIECES; a .txt's ranges TEXT_DOCUMENT_BYTES at
+    least. One range (whole) for any other file."""
     if file.kind == "parquet" or not file.path.lower().endswith(COMPRESSED) or file.size <= unit_bytes:
         return [0, file.size]
     count = min(MAX_GZIP_PIECES, -(-file.size // unit_bytes), -(-file.size * TARGET_UNITS // max(total_bytes, 1)))
+    if file.kind == "txt":  # a range of at least a document's bytes (of text, at least as many): never one without
+        count = min(count, file.size // TEXT_DOCUMENT_BYTES)  # a document's start, nor a file of one document cut
+        if count < 2:
+            return [0, file.size]
     starts = sorted({k * file.size // count // GZIP_GRID * GZIP_GRID for k in range(count)})
     return starts + [file.size]
 

@@ -427,6 +427,9 @@ def test_a_large_compressed_txt_is_read_in_ranges_as_the_documents_of_a_whole_re
     assert len(units) == 6 and sum(by_range, []) == expected
     assert all(by_range[:3]) and not by_range[-1]  # the licence, past the END marker, holds the last range
     assert sources.split_marker(units[0].pieces[0].file) == f"txt.{suffix} ranges v1"
+    # a range of a document's bytes at least: fewer than two documents' worth of compressed bytes stay one unit
+    monkeypatch.setattr(sources, "TEXT_DOCUMENT_BYTES", path.stat().st_size // 2 + 1)
+    assert len(list(work_units(files, -(-path.stat().st_size // 6)))) == 1
 
 
 def test_a_text_of_one_long_line_is_cut_at_spaces_plain_or_compressed(tmp_path, monkeypatch):
@@ -460,8 +463,12 @@ def test_a_text_of_one_long_line_is_cut_at_spaces_plain_or_compressed(tmp_path, 
 
 # the peak is VmHWM, not getrusage's ru_maxrss: Linux keeps that across exec, and this process read at least the
 # test process's RSS at the fork (the 4x texts it had just made: 639 against 397 MB for a read of 200 MB or less)
+# documents of 2 MiB, not 8: a compressed .txt's ranges are a document's bytes at least, so the 1x file too is read
+# in ranges, the path the 4x file takes (read whole, its peak sat about 9 MB lower, glibc's first 8 MB blocks mapped)
 READ_TEXT_GZ = """
 import sys
+import common.sources
+common.sources.TEXT_DOCUMENT_BYTES = 2 << 20
 from common.sources import read_unit, source_files, work_units
 units = work_units(source_files(sys.argv[1], sys.argv[2]), 8 << 20)
 chars = sum(len(d.text) for u in units for d in read_unit(u, "text"))
