@@ -85,8 +85,8 @@ def strip_gutenberg(text: str) -> str:
 
 
 def gutenberg_part(text: str, first: bool) -> tuple[str, bool]:
-    """`strip_gutenberg` for one of a file's consecutive parts (a large compressed .txt read in documents): the header
-    is cut from the first part only; returns the part and whether it held the END marker (what follows is the
+    """`strip_gutenberg` for one of a file's consecutive parts (a large compressed .txt read in documents): the
+    header is cut from the first part only; returns the part and whether it held the END marker (what follows is the
     licence, not the work)."""
     text = clean_text(text)
     if not any(marker in text for marker in ("GUTENBERG", "Gutenberg", "SMALL PRINT")):
@@ -439,13 +439,13 @@ def source_files(source: str, cache_dir: str | Path, ignored=None) -> SourceList
 
 
 # A compressed file (.jsonl.gz, .jsonl.zst, .txt.gz, .txt.zst) larger than a unit may be read by several workers at
-# once, each decoding the file from its start and keeping the lines (a .txt's documents) of its own range of compressed
-# bytes. Decoding only to skip runs ~40-150x faster than
-# tokenizing (265-300 MB/s of text through zlib on a 92 MB .jsonl.gz, about 500 MB/s through zstd, against
-# SentencePiece's 3.7-7 MB/s), yet K ranges cost about K/2 times that in extra work (`make bench-corpus`: 11 ranges of
-# one .jsonl.gz, 1.13-1.28x the seconds of one unit with 1 worker), so a file is cut only as far as the corpus needs
-# units: to about TARGET_UNITS in all (a corpus of 1,000 large files is not cut; one of 30, into 9 ranges each), at
-# most MAX_GZIP_PIECES ranges a file.
+# once, each decoding the file from its start and keeping the lines (a .txt's documents) of its own range of
+# compressed bytes. Decoding only to skip runs ~40-150x faster than tokenizing (265-300 MB/s of text through zlib on a
+# 92 MB .jsonl.gz, about 500 MB/s through zstd, against SentencePiece's 3.7-7 MB/s), yet K ranges cost about K/2
+# times that in extra work (`make bench-corpus`: 11 ranges of one .jsonl.gz, 1.13-1.28x the seconds of one unit with
+# 1 worker; a .txt.gz's, whose documents before a range are decoded too, 1.34-1.38x), so a file is cut only as far as
+# the corpus needs units: to about TARGET_UNITS in all (a corpus of 1,000 large files is not cut; one of 30, into 9
+# ranges each), at most MAX_GZIP_PIECES ranges a file.
 MAX_GZIP_PIECES = 16
 TARGET_UNITS = 256
 GZIP_GRID = 1 << 16  # compressed bytes inflated at a time; the ranges of a split file start at multiples of it
@@ -686,9 +686,9 @@ def _zstd_blocks(path: str) -> Iterator[tuple[int, bytes]]:
             pending = head + bytes([descriptor]) + read(rest)  # fed with the frame's first block
             at = 5 + (0 if single else 1)
             if dictionary and (dictionary_id := int.from_bytes(pending[at:at + (0, 1, 2, 4)[dictionary]], "little")):
-                raise CorpusError(f"{path} was compressed with a zstd dictionary (id {dictionary_id}), which this reader "
-                                  f"does not take: recompress it without one, e.g. `zstd -dc -D DICTIONARY {path} | "
-                                  f"zstd -o NEW.zst`")
+                raise CorpusError(f"{path} was compressed with a zstd dictionary (id {dictionary_id}), which this "
+                                  f"reader does not take: recompress it without one, e.g. `zstd -dc -D DICTIONARY "
+                                  f"{path} | zstd -o NEW.zst`")
             checksum = descriptor >> 2 & 1
             decoder = zstandard.ZstdDecompressor().decompressobj()
             block_at, last = offset, False
