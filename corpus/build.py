@@ -759,6 +759,8 @@ def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, a
         if not workers:  # none asked, joining a cluster: one per core of it
             from common.parallel import cluster_size
             workers = cluster_size(address, "CPU")
+        if not address:  # a worker per unit at most: a corpus of one unit (the default's) skips Ray's start-up
+            workers = min(workers, len(units))
         log(f"corpus: {source_count} files, {total_bytes / 1e6:.1f} MB from {source!r} in {len(units)} units "
             f"on {workers} worker(s)")
         _warm_up(workers, address)
