@@ -322,19 +322,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, L: int, dropout_p: float) -> torch.Tensor:
     """The keep mask `attention` applies with this seed, (B, H, L, L) bool: for tests and checks."""
     keep = torch.empty((B, H, L, L), dtype=torch.int8, device=seed.device)
-    _mask_kernel[(L, B * H)](keep, seed, L, _dropout_args(dropout_p)[0], BLOCK_N=max(8, triton.next_power_of_2(L)))
+    block_n = max(8, triton.next_power_of_2(L))
+    block_m = max(1, 4096 // block_n)  # a tile of queries a program: a query a program cost Triton's interpreter 10x
+    _mask_kernel[(triton.cdiv(L, block_m), B * H)](keep, seed, L, _dropout_args(dropout_p)[0], BLOCK_M=block_m,
+                                                  BLOCK_N=block_n)
     return keep.bool()
 
 
 if triton is not None:
     @triton.jit
-    def _mask_kernel(KEEP, SEED, L, threshold, BLOCK_N: tl.constexpr):
+    def _mask_kernel(KEEP, SEED, L, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         m, bh = tl.program_id(0), tl.program_id(1)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_m = m + tl.arange(0, 1)
+        offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
         keep = _keep(tl.load(SEED), bh, offs_m, 0, L, threshold, BLOCK_N)
         tl.store(KEEP + bh.to(tl.int64) * L * L + offs_m[:, None] * L + offs_n[None, :], keep.to(tl.int8),
-                 mask=offs_n[None, :] < L)
+                 mask=(offs_m[:, None] < L) & (offs_n[None, :] < L))
 
 
 def use_fused(model: torch.nn.Module) -> int:
