@@ -107,52 +107,47 @@ def _stage(module: str, manifest: Path, *extra, env=None) -> subprocess.Complete
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_corpus_generate_train_with_an_hf_aux_of_each_family(hf_dirs, family, tmp_path, env_with_repo):
-    """corpus (its tokenizer) -> aux (recorded, not trained) -> generate (Ray, 2 epochs); for one family also
-    train 4 steps (the trainer sees ids only: the family is the shards') and 1 vs 2 workers, byte for byte.
-    (In one pytest process, generation on Ray after an in-process corpus build with the Hugging Face
-    tokenizer hung; every stage runs as users run it.)"""
+def test_corpus_generate_train_finetune_with_an_hf_aux_as_users_run_them(hf_dirs, tmp_path, env_with_repo):
+    """corpus (its tokenizer) -> aux (recorded, not trained) -> generate (Ray, 2 actors, 2 epochs) -> train 4
+    steps (the trainer sees ids only: the family is the shards') -> fine-tune, then 1 worker against 2, byte for
+    byte; the stages as users run them, on BERT. Each family's own part (its tokenizer through the corpus
+    build, its model's record, logits, shape and replacements) is `test_each_family_builds_a_corpus_...` below,
+    in this process. (In one pytest process, generation on Ray after an in-process corpus build with the
+    Hugging Face tokenizer hung: every stage here runs as its command.)"""
     raw, dirs = hf_dirs
-    config = _config(tmp_path / "work", raw, dirs[family])
+    config = _config(tmp_path / "work", raw, dirs["bert"])
     manifest = tmp_path / "m.toml"
     manifest.write_text(dump_toml(config))
-    # Ray with 2 actors for bert, whose shards are compared with 1 actor's below; 1 for the others (each
-    # actor loads the Hugging Face model: a second one costs the suite seconds and proves nothing more)
-    stages = [("corpus", ["--workers", "1"]), ("auxiliary", []),
-              ("generate", ["--workers", "2" if family == "bert" else "1"])] + [("train", [])] * (family == "bert")
-    for module, extra in stages:
+    for module, extra in [("corpus", ["--workers", "1"]), ("auxiliary", []), ("generate", ["--workers", "2"]),
+                          ("train", [])]:
         result = _stage(module, manifest, *extra, env=env_with_repo)
         assert result.returncode == 0, (module, result.stdout[-2000:], result.stderr[-3000:])
     corpus = load_corpus_meta(config.corpus_dir)
     tok = open_tokenizer(config.corpus_dir)
-    assert corpus["vocab_size"] == tok.vocab_size == len(tok.tok)
-    assert corpus.get("reserved_ids", {"head": 5, "tail": 0}) == dataclasses.asdict(tok.reserved)
-    assert tok.source == str(dirs[family])
-    if family == "bert":
-        assert json.loads((config.run_dir / "summary.json").read_text())["steps"] == 4
-        # the run fine-tunes with the corpus's own (Hugging Face) tokenizer, as `make finetune` runs it
-        task, words = tmp_path / "task", " ".join(_texts(raw)).split()
-        task.mkdir()
-        for split, n in (("train", 16), ("dev", 8)):
-            (task / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(
-                f"{' '.join(words[8 * i:8 * i + 8])}\t{i % 2}\n" for i in range(n)))
-        result = subprocess.run([sys.executable, "-m", "finetune", "--checkpoint", str(config.run_dir), "--task",
-                                 str(task), "--out", str(tmp_path / "ft"), "--no-progress", "--set", "seeds=[1]",
-                                 "--set", "max_steps=2", "--set", "grid.lr=[1e-4]"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_with_repo)
-        assert result.returncode == 0, result.stderr[-3000:]
-        results = json.loads((tmp_path / "ft" / "results.json").read_text())
-        assert results["backbone"]["tokenizer"] == str(config.corpus_dir / "hf_tokenizer")
+    assert corpus["vocab_size"] == tok.vocab_size == len(tok.tok) and tok.source == str(dirs["bert"])
+    assert json.loads((config.run_dir / "summary.json").read_text())["steps"] == 4
+    # the run fine-tunes with the corpus's own (Hugging Face) tokenizer, as `make finetune` runs it
+    task, words = tmp_path / "task", " ".join(_texts(raw)).split()
+    task.mkdir()
+    for split, n in (("train", 16), ("dev", 8)):
+        (task / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(
+            f"{' '.join(words[8 * i:8 * i + 8])}\t{i % 2}\n" for i in range(n)))
+    result = subprocess.run([sys.executable, "-m", "finetune", "--checkpoint", str(config.run_dir), "--task",
+                             str(task), "--out", str(tmp_path / "ft"), "--no-progress", "--set", "seeds=[1]",
+                             "--set", "max_steps=2", "--set", "grid.lr=[1e-4]"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_with_repo)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert results["backbone"]["tokenizer"] == str(config.corpus_dir / "hf_tokenizer")
     data = json.loads((config.epochs_dir / "manifest.json").read_text())
     assert data["vocab_size"] == tok.vocab_size and data["tokenizer_sha256"] == corpus["tokenizer_sha256"]
     assert len(data["epochs"]) == 2
-    if family == "bert":  # the same shards from one worker as from two
-        one = tmp_path / "one_worker"
-        result = _stage("generate", manifest, "--workers", "1", "--out", str(one), env=env_with_repo)
-        assert result.returncode == 0, result.stderr[-3000:]
-        two = {p.relative_to(config.epochs_dir): p.read_bytes() for p in sorted(config.epochs_dir.rglob("*.parquet"))}
-        assert len(two) > 2 and two == {p.relative_to(one): p.read_bytes() for p in sorted(one.rglob("*.parquet"))}
+    # the same shards from one worker as from two
+    one = tmp_path / "one_worker"
+    result = _stage("generate", manifest, "--workers", "1", "--out", str(one), env=env_with_repo)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = {p.relative_to(config.epochs_dir): p.read_bytes() for p in sorted(config.epochs_dir.rglob("*.parquet"))}
+    assert len(two) > 2 and two == {p.relative_to(one): p.read_bytes() for p in sorted(one.rglob("*.parquet"))}
 
 
 def _built(hf_dirs, family, tmp_path):
@@ -212,10 +207,19 @@ def test_an_hf_corpus_is_rebuilt_when_the_sample_that_orders_its_ids_changes(hf_
     assert current() and current(vocab_size=999)
     assert not current(max_sentences=3) and not current(max_sample_mb=0.001)
 
-@pytest.mark.parametrize("family", ("bert", "roberta"))
-def test_replacements_use_allowed_ids_and_labels_follow_the_ids(hf_dirs, family, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_builds_a_corpus_whose_replacements_use_allowed_ids_and_labels_follow_the_ids(
+        hf_dirs, family, tmp_path):
+    """The family's tokenizer through the corpus build, its model recorded as the aux, then what a generation
+    actor does with it (the Corruptor of the manifest's [generate], the shape its memory estimate reads)."""
+    from common.memory import AuxShape, aux_shape
     config = _built(hf_dirs, family, tmp_path)
+    corpus = load_corpus_meta(config.corpus_dir)
     tok = open_tokenizer(config.corpus_dir)
+    assert corpus["vocab_size"] == tok.vocab_size == len(tok.tok) and tok.source == str(hf_dirs[1][family])
+    assert corpus.get("reserved_ids", {"head": 5, "tail": 0}) == dataclasses.asdict(tok.reserved)
+    actor = Corruptor.from_config(config.aux_dir / AUX_FILE, config.seed, config.generate, config.corpus_dir)
+    assert aux_shape(actor.model, actor.vocab_size) == AuxShape(32, 64, 2, tok.vocab_size)  # `make_model`'s
     hf_tok = tok.tok
     specials = {tok.tok.pad_token_id, tok.tok.unk_token_id, tok.tok.mask_token_id,
                 tok.tok.cls_token_id or tok.tok.bos_token_id, tok.tok.sep_token_id or tok.tok.eos_token_id}
