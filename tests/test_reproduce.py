@@ -165,7 +165,8 @@ def test_reproduce_end_to_end_under_the_budget_and_rerun_redoes_nothing(tmp_path
     fake_wheel(tmp_path / "tasks" / "downloads")
     out = tmp_path / "out"
     config = tiny_config(out, train={"eval_every": 1000, "ckpt_every": 1000, "log_every": 1},
-                         generate={"rows_per_shard": 64}, aux={"steps": 10})
+                         generate={"rows_per_shard": 64}, aux={"steps": 10},
+                         corpus={"unit_mb": 1.0})  # one unit: built in its process, no Ray to start
     data = config_to_dict(config)
     # trainer_startup_s = 9.5 leaves ELECTRA's plan half a second of updates (about 64), so it ends by its
     # plan, not by training to the deadline for 10 s of the suite's time (a start-up slower than the budget on a
