@@ -355,7 +355,8 @@ def measure_generation(config, rows_per_shard: int, shards: int, device: torch.d
 
 
 @torch.no_grad()
-def measure_draws(config, device: torch.device = torch.device("cuda"), repeats: int = 20, seed: int = 0) -> dict:
+def measure_draws(config, device: torch.device = torch.device("cuda"), repeats: int = 20, seed: int = 0,
+                  warmup: int = 3) -> dict:
     """One chunk of sampling at the base vocabulary (the Corruptor's positions x V, bf16 logits of spread 4, T in
     [0.5, 2.5]): milliseconds of the step-by-step temperature draw with its separate top-1 count, and of the
     compiled blocked draw that counts them itself (`common.distributions.chunk_draws`, as a GPU Corruptor runs
@@ -383,7 +384,8 @@ def measure_draws(config, device: torch.device = torch.device("cuda"), repeats: 
     (a, _, hits_a), (b, _, hits_b) = steps(), blocked()
     timed = {}
     for name, fn in (("steps", steps), ("blocked", blocked)):
-        device_seconds(fn, 3, device)
+        if warmup:
+            device_seconds(fn, warmup, device)
         timed[name] = 1e3 * statistics.median(device_seconds(fn, repeats, device))
     return {"positions": rows, "vocab": V, "step_by_step_ms": timed["steps"], "blocked_compiled_ms": timed["blocked"],
             "same_id_fraction": float((a == b).float().mean()), "top1_hits_equal": int(hits_a) == int(hits_b)}
