@@ -42,18 +42,19 @@ def _hashes(out):
 
 
 @pytest.fixture(scope="module")
-def reference(built, tmp_path_factory):
+def reference(generated, tmp_path_factory):
+    """The uninterrupted run every test here compares with: a copy of the session's generated folder (2 Ray
+    workers), which the tests below may damage and redo."""
+    manifest, out, _ = generated
     folder = tmp_path_factory.mktemp("resume")
-    manifest = folder / "test.toml"
-    manifest.write_text(dump_toml(built))
-    _run(manifest, folder / "one_worker", 1)
-    return manifest, folder, _hashes(folder / "one_worker")
+    shutil.copytree(out, folder / "uninterrupted")
+    return manifest, folder, _hashes(folder / "uninterrupted")
 
 
-def test_two_workers_write_the_same_bytes_as_one(reference):
+def test_one_worker_writes_the_same_bytes_as_two(reference):
     manifest, folder, expected = reference
-    _run(manifest, folder / "two_workers", 2)
-    assert _hashes(folder / "two_workers") == expected
+    _run(manifest, folder / "one_worker", 1)
+    assert _hashes(folder / "one_worker") == expected
 
 
 def test_two_tasks_in_flight_per_actor_write_the_same_bytes(reference, built):
@@ -67,7 +68,7 @@ def test_two_tasks_in_flight_per_actor_write_the_same_bytes(reference, built):
     _run(pipelined, folder / "in_flight", 1)
     assert _hashes(folder / "in_flight") == expected
     key = lambda out: json.loads((out / "plan.json").read_text())["generation_key"]
-    assert key(folder / "in_flight") == key(folder / "one_worker")
+    assert key(folder / "in_flight") == key(folder / "uninterrupted")
     spans = sorted((r["started_at"], r["finished_at"]) for r in map(json.loads, (folder / "in_flight" / "progress.jsonl")
                                                                       .read_text().splitlines()))
     assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))  # one actor, two shards at once
@@ -107,7 +108,7 @@ def test_worker_dying_mid_task_is_retried_with_identical_output(reference, tmp_p
 
 def test_damaged_shard_is_detected_and_regenerated(reference, tmp_path):
     manifest, folder, expected = reference
-    out = folder / "one_worker"
+    out = folder / "uninterrupted"
     victim = sorted(expected)[1]
     data = bytearray((out / victim).read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -136,7 +137,7 @@ def test_a_folder_made_on_two_device_models_says_so_and_lists_them(reference, tm
     from common.checkpoint import AUX_FILE
     from generate.generator import generate
     manifest, folder, expected = reference
-    out = shutil.copytree(folder / "one_worker", tmp_path / "mixed")
+    out = shutil.copytree(folder / "uninterrupted", tmp_path / "mixed")
     progress = out / "progress.jsonl"
     records = [json.loads(line) for line in progress.read_text().splitlines()]
     (model,) = {r["device_model"] for r in records}
@@ -161,7 +162,7 @@ def test_shards_of_another_device_are_not_mixed_in(reference, tmp_path):
     nor the other way round: the run stops before touching a shard; --force redoes those shards here."""
     manifest, folder, expected = reference
     out = tmp_path / "from_gpu"
-    shutil.copytree(folder / "one_worker", out)
+    shutil.copytree(folder / "uninterrupted", out)
     progress = out / "progress.jsonl"
     records = [json.loads(line) for line in progress.read_text().splitlines()]
     (here,) = {r["device"] for r in records}  # cpu, or cuda on a GPU machine
@@ -191,7 +192,7 @@ def test_a_folder_of_two_device_kinds_with_no_shard_left_is_refused_not_finished
     redoes the other kind's."""
     manifest, folder, _ = reference
     out = tmp_path / "mixed"
-    shutil.copytree(folder / "one_worker", out)
+    shutil.copytree(folder / "uninterrupted", out)
     (out / "manifest.json").unlink()
     progress = out / "progress.jsonl"
     records = [json.loads(line) for line in progress.read_text().splitlines()]
