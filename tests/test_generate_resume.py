@@ -108,7 +108,7 @@ def test_worker_dying_mid_task_is_retried_with_identical_output(reference, tmp_p
 
 def test_damaged_shard_is_detected_and_regenerated(reference, tmp_path):
     manifest, folder, expected = reference
-    out = folder / "uninterrupted"
+    out = shutil.copytree(folder / "uninterrupted", tmp_path / "damaged")  # the reference stays as it was made
     victim = sorted(expected)[1]
     data = bytearray((out / victim).read_bytes())
     data[len(data) // 2] ^= 0xFF
