@@ -323,7 +323,7 @@ def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, L: int, dropout_p: flo
     """The keep mask `attention` applies with this seed, (B, H, L, L) bool: for tests and checks."""
     keep = torch.empty((B, H, L, L), dtype=torch.int8, device=seed.device)
     block_n = max(8, triton.next_power_of_2(L))
-    block_m = max(1, 4096 // block_n)  # a tile of queries a program: a query a program cost Triton's interpreter 10x
+    block_m = max(1, 4096 // block_n)  # a tile of queries a program: Triton's interpreter pays per program
     _mask_kernel[(triton.cdiv(L, block_m), B * H)](keep, seed, L, _dropout_args(dropout_p)[0], BLOCK_M=block_m,
                                                   BLOCK_N=block_n)
     return keep.bool()

@@ -638,8 +638,8 @@ def test_one_and_two_workers_give_the_same_bytes_and_a_rerun_is_current(tmp_path
 
 
 def test_a_corpus_of_one_unit_builds_in_this_process_whatever_the_workers_asked(tmp_path, monkeypatch):
-    """A worker per unit at most: the default corpus (one unit) paid Ray's start-up, 8 s of a 14 s build, for
-    one worker's work. Here Ray cannot start; the build with 2 workers asked gives the 1-worker bytes."""
+    """A worker per unit at most: a corpus of one unit (the default's) has one worker's work, and Ray's start-up
+    would cost more than the build. Here Ray cannot start; the build with 2 workers asked gives the 1-worker bytes."""
     import common.parallel
 
     def no_ray(*args, **kwargs):

@@ -36,7 +36,7 @@ def plot_curves(run_dir: str | Path, name: str = "curves.png") -> Path | None:
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     if not records:
         return None
-    # fixed margins: matplotlib's constrained layout measured every tick label, 0.4 of the plot's 0.5 s
+    # fixed margins: matplotlib's constrained layout measures every tick label, most of a plot's time
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     fig.subplots_adjust(left=0.05, right=0.985, bottom=0.07, top=0.9, wspace=0.22, hspace=0.3)
     for ax, (title, keys) in zip(axes.flat, PANELS):
