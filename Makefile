@@ -25,7 +25,7 @@ STAMP  := $(VENV)/.installed
 # Default work folder of the manifest (its work_dir, through `extends`), for the file targets below.
 MANIFEST_WORK := $(shell python3 common/work_dir.py $(MANIFEST) 2>/dev/null)
 ifeq ($(MANIFEST_WORK),)
-$(error MANIFEST=$(MANIFEST) does not exist or does not read as TOML (python3 >= 3.11 reads it))
+$(error MANIFEST=$(MANIFEST): $(shell python3 common/work_dir.py $(MANIFEST) 2>&1 | tail -n 1))
 endif
 # Your own corpus (CORPUS=...) gets a work folder of its own for everything made from it (corpus, aux model,
 # shards, runs), so switching corpora back and forth reuses what each one built.
@@ -125,7 +125,7 @@ task: setup
 finetune: $(if $(RUN),setup,train)
 	$(PY) -m finetune --checkpoint $(RUN_DIR) --task $(TASK) $(FT_ARGS)
 
-finetune-floor: setup
+finetune-floor: corpus
 	$(PY) -m finetune --init none --manifest $(MANIFEST) --task $(TASK) $(FT_ARGS) $(if $(CORPUS)$(AUX),\
 	    --corpus $(WORK)/corpus --out $(WORK)/finetune/$(notdir $(patsubst %/,%,$(TASK)))-none)
 
@@ -189,7 +189,7 @@ test-fast: setup
 # Everything made under WORK (corpus, aux model, shards, runs, sweeps, exports; hours to days at base): said
 # first, deleted with YES=1.
 clean:
-	@if [ "$(YES)" != 1 ]; then echo "make clean deletes $(WORK) ($$(du -sh $(WORK) 2>/dev/null | cut -f1 || \
-	    echo 'not there')): its corpus, aux model, shards, runs, sweeps and exports; make clean YES=1 does it" >&2; \
+	@if [ "$(YES)" != 1 ]; then echo "make clean deletes $(WORK) ($$(if [ -e $(WORK) ]; then du -sh $(WORK) | \
+	    cut -f1; else echo 'not there'; fi)): its corpus, aux model, shards, runs, sweeps and exports; make clean YES=1 does it" >&2; \
 	    exit 2; fi
 	rm -rf $(WORK)

@@ -13,7 +13,7 @@ from common.process import Interrupted
 from common.checkpoint import AUX_FILE, AUX_META
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.corpus import local_corpus
-from common.io import DiskFull
+from common.io import DiskFull, FolderLocked, require_folder
 from common.sources import CorpusError
 from common.storage import cache_folder, is_remote, location
 
@@ -33,6 +33,8 @@ def main(argv=None) -> int:
         config = load_manifest(args.manifest, args.sets)
         corpus = location(args.corpus) if args.corpus else config.corpus_dir
         out = location(args.out) if args.out else config.aux_dir
+        if not is_remote(out):
+            require_folder(out)
         corpus = local_corpus(corpus)  # on object storage: this machine's copy
         if not args.force and aux_is_current(config, corpus, out):
             print(f"aux: {out / AUX_FILE} is up to date (use --force to retrain)")
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     except AuxRunError as e:  # the trainer has printed its own error
         print(f"error: {e}", file=sys.stderr)
         return e.code if 0 < e.code < 256 else 1
-    except (ConfigError, CorpusError, FileNotFoundError, ValueError, DiskFull) as e:  # ValueError: common.hf.HFError
+    except (ConfigError, CorpusError, FileNotFoundError, ValueError, DiskFull, FolderLocked) as e:  # ValueError: HFError
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -517,6 +517,8 @@ def read_toml(path: str | Path, chain: tuple = ()) -> dict:
     """A config file's tables; `extends = "other.toml"` (relative to this file) starts from another
     file and overrides it key by key, table by table."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"manifest {path} is a folder, not a TOML file (e.g. {path / 'tiny.toml'})")
     if not path.is_file():
         raise ConfigError(f"manifest {path} does not exist" + (f" (extended by {chain[-1]})" if chain else
                           " (relative to the current folder: run from the repository, or give its path)"

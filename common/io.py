@@ -327,6 +327,15 @@ class FolderLocked(RuntimeError):
     it or a folder above it should be."""
 
 
+def require_folder(folder: str | Path) -> None:
+    """Raise FolderLocked where `folder`, or a folder above it, is a file: one line naming it before any
+    work, not an OS error at the first write into it."""
+    folder = Path(os.path.abspath(folder))
+    blocking = next((p for p in [folder, *folder.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise FolderLocked(f"cannot write {folder}: {blocking} is a file, not a folder")
+
+
 class FolderLock:
     """One writer per folder: a `.NAME.lock` file beside it holding the owner's pid, host and command.
     A second writer stops with a message naming the owner; the lock of a process that is no longer
@@ -338,8 +347,11 @@ class FolderLock:
             from common.storage import cache_folder
             cached = cache_folder(self.folder, "locks")
             self.path = cached.with_name(cached.name + ".lock")  # not with_suffix: a dot in the name would be cut
-        else:
-            self.path = self.folder.with_name(f".{self.folder.name}.lock")
+        else:  # the lock beside the folder's absolute path: `--out .` names a folder too
+            target = Path(os.path.abspath(self.folder))
+            if not target.name:
+                raise FolderLocked(f"cannot write {self.folder}: a stage writes a folder of its own, not the root")
+            self.path = target.with_name(f".{target.name}.lock")
 
     def _owner(self) -> dict:
         try:
@@ -350,12 +362,13 @@ class FolderLock:
     def acquire(self) -> "FolderLock":
         import time
         host = _host()
+        if not is_remote(self.folder):
+            require_folder(self.folder)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            blocking = next((p for p in [self.path.parent, *self.path.parent.parents] if p.exists() and not p.is_dir()),
-                            self.path.parent)
-            raise FolderLocked(f"cannot write {self.folder}: {blocking} is a file, not a folder") from None
+            require_folder(self.path.parent)
+            raise
         for _ in range(50):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

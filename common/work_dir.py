@@ -7,6 +7,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+if sys.version_info < (3, 11):  # the line make prints: not "does not read", which would send one to the manifest
+    print(f"python3 is {sys.version.split()[0]}; the Makefile reads manifests with python3 >= 3.11 (tomllib)",
+          file=sys.stderr)
+    sys.exit(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.config import ConfigError, RunConfig, read_toml  # noqa: E402 - after the repository is on the path
 

@@ -719,8 +719,12 @@ def build_corpus(config: RunConfig, out_dir: str | Path, source: str | None = No
                  address: str | None = None, log=print) -> Path:
     """Build the corpus folder. Nothing changes under `out_dir` unless the whole build succeeds;
     a rerun after a failure or a kill continues from the staging folder. One writer at a time."""
-    with FolderLock(Path(out_dir), "python -m corpus"):
-        return _build(config, Path(out_dir), source, workers, address, log)
+    out_dir = Path(os.path.abspath(out_dir))  # `--out .` has a name, and a folder beside it for the staging
+    with FolderLock(out_dir, "python -m corpus"):
+        if out_dir.is_dir() and not (out_dir / CORPUS_META).is_file() and any(out_dir.iterdir()):
+            raise CorpusError(f"{out_dir} is not empty and holds no {CORPUS_META}: not a corpus folder, and a build "
+                              f"replaces its folder whole; give --out a new or empty folder")
+        return _build(config, out_dir, source, workers, address, log)
 
 
 def _build(config: RunConfig, out_dir: Path, source: str | None, workers: int, address: str | None, log) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs
 from common.config import ConfigError
-from common.io import DamagedFile, DiskFull
+from common.io import DamagedFile, DiskFull, FolderLocked, require_folder
 from finetune.config import resolve_config
 from finetune.finetuner import finetune, load_backbone
 from finetune.glue import TaskError
@@ -40,8 +40,9 @@ def main(argv=None) -> int:
         cfg = resolve_config(args.config, args.set, args.task)
         backbone = load_backbone(args.checkpoint, args.manifest, args.init, args.corpus)
         out = Path(args.out) if args.out else backbone.home / f"{Path(cfg.task.path).name}-{args.init}"
+        require_folder(out)
         finetune(cfg, backbone, out, Path(args.tasks_dir), progress=not args.no_progress)
-    except (ConfigError, TaskError, IncompatibleInputs, FileNotFoundError, DamagedFile, DiskFull) as e:
+    except (ConfigError, TaskError, IncompatibleInputs, FileNotFoundError, DamagedFile, DiskFull, FolderLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((out / "results.md").read_text())

@@ -161,9 +161,11 @@ def test_the_makefiles_work_folder_is_the_manifests_own_through_extends(tmp_path
     typo = tmp_path / "no-such-epochs"
     dry = subprocess.run(["make", "-n", "sweep", f"DATA={typo}"], cwd=ROOT, capture_output=True, text=True)
     assert dry.returncode == 0 and f"--data {typo}" in dry.stdout and "generate" not in dry.stdout, dry.stdout
-    for path in (bad, tmp_path / "missing.toml"):
+    # ... with the reason the manifest does not read, from the script make ran
+    for path, reason in ((bad, "is not valid TOML"), (tmp_path / "missing.toml", "does not exist"),
+                         (tmp_path, "is a folder, not a TOML file")):
         dry = subprocess.run(["make", "-n", "clean", f"MANIFEST={path}"], cwd=ROOT, capture_output=True, text=True)
-        assert dry.returncode != 0 and f"MANIFEST={path} does not exist or does not read as TOML" in dry.stderr
+        assert dry.returncode != 0 and f"MANIFEST={path}: manifest {path} {reason}" in dry.stderr, dry.stderr
         assert "rm -rf" not in dry.stdout
 
 

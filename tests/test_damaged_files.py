@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,7 @@ from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs, read_aux_m
 from common.corpus import CORPUS_META, load_corpus_meta
 from common.io import DamagedFile, read_json
 from common.shards import MANIFEST_FILE, PLAN_FILE, data_fingerprint
+from tests.conftest import ROOT
 
 DAMAGE = {"cut short": '{"vocab_size": 320, "max_seq', "a list": "[1, 2]", "no keys": "{}"}
 
@@ -376,3 +379,47 @@ def test_a_file_in_the_place_of_an_output_folder_or_a_damaged_stamp_file(tmp_pat
     for content in (b"\xff\xfe not utf-8", b"[1, 2]", b'{"epoch-000/shard-00000.parquet": ["ab", 1, 2'):
         (tmp_path / VERIFIED_FILE).write_bytes(content)
         assert read_stamps(tmp_path) == {}  # every shard is hashed again
+
+
+def test_an_out_that_is_a_file_stops_each_stage_with_one_line_before_any_work(generated, tmp_path, capsys,
+                                                                               env_with_repo):
+    """`--out FILE` (a typo, a path reused): the stage's one line naming the file, exit 2, the file as it was;
+    before, OS errors at the first write (the trainer's once its model and shards were loaded)."""
+    from auxiliary.__main__ import main as aux_main
+    from corpus.__main__ import main as corpus_main
+    from finetune.__main__ import main as finetune_main
+    manifest, data, _ = generated
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for main, args in ((corpus_main, ["--manifest", str(manifest)]), (aux_main, ["--manifest", str(manifest)]),
+                       (finetune_main, ["--init", "none", "--manifest", str(manifest), "--task", str(tmp_path)])):
+        assert main([*args, "--out", str(afile)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: cannot write {afile}: {afile} is a file, not a folder\n", err
+    result = subprocess.run([sys.executable, "-m", "train", "--manifest", str(manifest), "--data", str(data),
+                             "--out", str(afile)], cwd=ROOT, env=env_with_repo, capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stderr) == (2, f"error: cannot write {afile}: {afile} is a file, not a "
+                                                     f"folder\n"), result.stderr[-3000:]
+    assert afile.read_text() == "mine"
+
+
+def test_the_corpus_stage_never_replaces_a_folder_that_is_no_corpus(built, tmp_path, capsys, monkeypatch):
+    """A build publishes its folder whole (the old one moved aside and deleted): `--out` a folder of one's own
+    is refused, its files kept; an empty folder, or `--out .` in one, is built."""
+    from corpus.__main__ import main as corpus_main
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("precious")
+    source = ["--manifest", str(built.corpus_dir / "resolved_manifest.toml"), "--source", str(built.corpus.source)]
+    assert corpus_main([*source, "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {mine} is not empty and holds no corpus.json: not a corpus folder, and a build replaces "
+                   f"its folder whole; give --out a new or empty folder\n"), err
+    assert [p.name for p in mine.iterdir()] == ["thesis.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert corpus_main([*source, "--out", ".", "--workers", "1"]) == 0
+    ours, reference = load_corpus_meta(empty), load_corpus_meta(built.corpus_dir)
+    assert (ours["train"], ours["valid"]) == (reference["train"], reference["valid"])
