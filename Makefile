@@ -20,6 +20,7 @@ PYTEST_ARGS ?=
 BENCH_VOCAB ?= paper
 
 VENV   := .venv
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Default work folder of the manifest (its work_dir, through `extends`), for the file targets below.
@@ -49,12 +50,16 @@ help:
 	@echo "make bench | make bench-corpus | make bench-aux | make bench-scale | make bench-generate | make bench-train | make bench-efficiency | make bench-flops | make bench-gpu"
 	@echo "variables: MANIFEST=$(MANIFEST) DATA=$(DATA) RUN=$(RUN) SWEEP=$(SWEEP) NPROC=$(NPROC) WORKERS=$(WORKERS) CORPUS=$(CORPUS) AUX=$(AUX) TASK=$(TASK) FT_ARGS=$(FT_ARGS) EXPORT=$(EXPORT) BUDGET=$(BUDGET)"
 
-# A CPU build of torch unless a GPU driver is present (plain `torch` pulls GBs of CUDA packages).
+# A CPU build of torch unless a GPU driver is present: PyPI's Linux torch is the CUDA build (GBs of nvidia
+# packages), so torch alone comes from PyTorch's CPU index first (or a wheel pip already finds locally); its
+# dependencies, or torch itself where that index cannot be reached, from PyPI.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
-	else $(PY) -m pip install --quiet torch==2.13.0; fi
+	else $(PY) -m pip install --quiet --retries 1 --no-deps torch==2.13.0 --index-url $(CPU_TORCH_INDEX) \
+	    2>/dev/null || echo "setup: $(CPU_TORCH_INDEX) not reachable: torch from PyPI"; \
+	    $(PY) -m pip install --quiet torch==2.13.0; fi
 	$(PY) -m pip install --quiet -e ".[test,hf,tensorboard]"
 	touch $(STAMP)
 
