@@ -216,3 +216,37 @@ def test_sigterm_while_a_finished_folders_read_is_slow_stops_after_the_update_wi
         trainer.train(args, after_step=after)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002.pt"]
     assert _losses(run)[-1][0] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_during_an_update_while_the_next_read_waits_for_the_generator_stops_at_once(generated, tmp_path):
+    """The update's own stop (SIGTERM during it): checkpoint, stop line, run folder released, without waiting
+    out the read of the next step that waits for a shard not yet written (it held the stop up to
+    --follow-timeout, past torchrun's 30 s grace: killed, its lock left behind)."""
+    import argparse
+    import torch
+    from common.shards import MANIFEST_FILE, PROGRESS_FILE
+    from train import trainer
+    manifest, data, _ = generated
+    partial = tmp_path / "epochs"  # a generation under way: the validation shard and one training shard written
+    shutil.copytree(data, partial)
+    (partial / MANIFEST_FILE).unlink()
+    first = sorted(r["path"] for r in _records(data) if r["path"].startswith("epoch-000/"))[0]
+    kept = [line for line, r in zip((data / PROGRESS_FILE).read_text().splitlines(), _records(data))
+            if r["path"].startswith("valid/") or r["path"] == first]
+    (partial / PROGRESS_FILE).write_text("\n".join(kept) + "\n")
+    steps = json.loads(kept[-1])["rows"] // 8  # the shard's rows, 8 a step: the read of the step after waits
+
+    def after(step):  # the signal lands while the next update runs, whose next read is the one that waits
+        if step == steps - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    args = argparse.Namespace(manifest=str(manifest), data=str(partial), out=str(run), resume=False, follow=True,
+                              follow_timeout=60.0, follow_pid=0, sets=["train.ckpt_every=1000"])
+    t0 = time.time()
+    with pytest.raises(trainer.Stopped):
+        trainer.train(args, after_step=after)
+    assert time.time() - t0 < 30  # the run itself: ~2 s; the wait it no longer makes: 60 s
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{steps:08d}.pt"]
+    assert not (tmp_path / ".run.lock").exists()

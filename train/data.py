@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +88,9 @@ class Follower:
         self.records: dict[str, dict] = {}
         self._offset = 0
         self.waited_s, self.waits = 0.0, 0  # time and times the trainer waited for a shard
+        # set by a trainer that stops (a signal, --deadline, an error) while its read of the next step waits here:
+        # the wait ends at once instead of holding the stop up to `timeout`
+        self.cancelled = threading.Event()
 
     def _refresh(self) -> None:
         if is_remote(self.log_path):
@@ -140,7 +144,8 @@ class Follower:
                 raise DataError(f"{self.data_dir / path} was not written within {self.timeout:.0f}s of being "
                                 f"needed (train --follow); {self.generator()}. Run `make generate-epochs` (it "
                                 f"resumes where it stopped), then train again with --resume")
-            time.sleep(self.POLL_S)
+            if self.cancelled.wait(self.POLL_S):
+                raise DataError(f"the trainer stopped while waiting for {self.data_dir / path}")
         self.waited_s += time.time() - t0
         self.waits += 1
         if said:

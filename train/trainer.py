@@ -387,6 +387,12 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
         return stream.rows(*rank_slice(s, tc.batch_size, rank, world)) if s < total_steps else {}
 
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")  # fetches step s+1 during step s
+
+    def stop_reading() -> None:
+        """The read of a step no update will take ends now, one waiting for the generator included."""
+        if following:
+            stream.follower.cancelled.set()
+        reader.shutdown(cancel_futures=True)
     next_rows = reader.submit(read_step, progress.step)
     bar = tqdm(total=total_steps, initial=progress.step, desc="aux MLM" if mlm else "train", unit="step",
                disable=not is_main, dynamic_ncols=True)
@@ -400,7 +406,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
             rows = stop.wait_for(next_rows, f"the shards of step {step + 1}", ckpt_dir, is_main, following)
         except (DataError, Stopped):
             bar.close()  # the error goes on a line of its own
-            reader.shutdown(wait=False, cancel_futures=True)
+            stop_reading()
             raise
         next_rows = reader.submit(read_step, step + 1)
         if "temperature" in rows:  # the RTD streams: the curriculum's temperatures consumed
@@ -435,7 +441,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
             failed_at = count_skipped(progress, torch.stack(unread).tolist(), step, tc.max_nonfinite_steps)
             if failed_at is not None:
                 bar.close()
-                reader.shutdown(cancel_futures=True)
+                stop_reading()
                 if is_main:
                     plot_curves(run_dir)  # what was logged, for the run someone will want to look at
                 raise nonfinite_error(progress, failed_at, tc.batch_size, ckpt_dir)
@@ -472,7 +478,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
             after_step(step)
     stop.armed = False
     bar.close()
-    reader.shutdown()
+    stop_reading()
     if is_main and board:
         board.close()
     if stopped:  # not finished: no summary.json (what marks a finished run), the checkpoint says where it is
