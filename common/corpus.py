@@ -253,10 +253,8 @@ def term_counts(corpus_dir: str | Path) -> np.ndarray:
     corpus_dir = Path(corpus_dir)
     meta = load_corpus_meta(corpus_dir)
     path = corpus_dir / TERM_COUNTS_FILE
-    if path.is_file():
-        counts = np.load(path)
-        if counts.shape == (meta["vocab_size"],) and int(counts.sum()) == meta["train"]["tokens"]:
-            return counts
+    if (counts := _stored_counts(corpus_dir, meta)) is not None:
+        return counts
     counts = count_terms([corpus_dir / p["flat"]["tokens"]["path"] for p in meta["train"]["parts"]], meta["vocab_size"])
     if int(counts.sum()) != meta["train"]["tokens"]:  # ids past the vocabulary were cut off by count_terms
         raise CorpusError(f"{corpus_dir}: train tokens hold ids outside the vocabulary; rebuild the corpus")
@@ -269,19 +267,32 @@ def term_counts(corpus_dir: str | Path) -> np.ndarray:
     return counts
 
 
+def _stored_counts(corpus_dir: Path, meta: dict) -> np.ndarray | None:
+    """The term counts stored in `corpus_dir`, if they are this corpus's: a count per id, adding up to the
+    training split's tokens."""
+    path = corpus_dir / TERM_COUNTS_FILE
+    if path.is_file():
+        counts = np.load(path)
+        if counts.shape == (meta["vocab_size"],) and int(counts.sum()) == meta["train"]["tokens"]:
+            return counts
+    return None
+
+
 CORPUS_FORMAT = 3  # corpus.json's `corpus_format`: parts per work unit
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 
 
-def local_corpus(corpus_dir) -> Path:
+def local_corpus(corpus_dir, splits: tuple[str, ...] = ("train", "valid")) -> Path:
     """A corpus folder on this machine: `corpus_dir` itself, or for one on object storage a local copy of
-    what the stages read at random (corpus.json, the tokenizer, every part's flat tokens and offsets, each
-    checked against corpus.json's size and sha256), downloaded once per machine (`common.storage`)."""
+    what the stages read at random (corpus.json, the tokenizer, its stored term counts, every part's flat
+    tokens and offsets, each checked against corpus.json's size and sha256), downloaded once per machine
+    (`common.storage`). `splits`: those whose parts are copied; none for what reads no row (the generator's
+    driver, fine-tuning, a tokenizer's ids), in a folder of its own: nothing there grows with the corpus."""
     from common.storage import cache_bookkeeping, cache_folder, is_remote, local_copy, location
     remote = location(corpus_dir)
     if not is_remote(remote):
         return Path(corpus_dir)
-    local = cache_folder(remote, "corpora")
+    local = cache_folder(remote, "corpora" if splits else "corpus-meta")
     if not (remote / CORPUS_META).is_file():
         raise CorpusError(f"no corpus at {remote} ({CORPUS_META} missing): build one with "
                           f"`python -m corpus --out {remote}`")
@@ -299,7 +310,11 @@ def local_corpus(corpus_dir) -> Path:
         for stale in [p for p in (local / TOKENIZER_DIR).iterdir() if p.is_file() and p.name not in names
                       and not cache_bookkeeping(p.name)]:
             stale.unlink()
-    for split in ("train", "valid"):
+    if (remote / TERM_COUNTS_FILE).is_file():  # a count per id: the TF curricula's actors count no row
+        local_copy(remote / TERM_COUNTS_FILE, local / TERM_COUNTS_FILE, (remote / TERM_COUNTS_FILE).stat().st_size)
+    else:  # none there: a copy's own would hide that (`stored_term_counts` stores them there)
+        (local / TERM_COUNTS_FILE).unlink(missing_ok=True)
+    for split in splits:
         for part in meta.get(split, {}).get("parts", []):
             for record in part["flat"].values():
                 local_copy(remote / record["path"], local / record["path"], record["bytes"], record["sha256"])
@@ -307,6 +322,41 @@ def local_corpus(corpus_dir) -> Path:
         with atomic_path(local / CORPUS_META) as tmp:  # last: a copy with corpus.json is whole
             Path(tmp).write_text(text)
     return local
+
+
+def check_parts(corpus_dir) -> None:
+    """Every part file corpus.json lists is there at its size (what the rows are read from): a local folder
+    through `SplitRows`'s own check, one on object storage by one listing, nothing downloaded."""
+    from common.storage import is_remote, list_files, location
+    folder = location(corpus_dir)
+    if not is_remote(folder):
+        for split in ("train", "valid"):
+            SplitRows(folder, split)
+        return
+    meta, listed = load_corpus_meta(folder), list_files(folder)
+    for split in ("train", "valid"):
+        for part in meta[split]["parts"]:
+            for record in part["flat"].values():
+                found = listed.get(record["path"])
+                if found is None or found.st_size != record["bytes"]:
+                    raise CorpusError(f"{folder / record['path']} is missing or has another size than corpus.json "
+                                      f"says; rebuild the corpus")
+
+
+def stored_term_counts(corpus_dir) -> None:
+    """`term_counts` computed once and stored beside the corpus, one on object storage included (there from
+    this machine's copy of its rows, then uploaded): each generation actor reads a count per id."""
+    from common.storage import is_remote, location
+    remote = location(corpus_dir)
+    if not is_remote(remote):
+        term_counts(remote)
+        return
+    copy = local_corpus(remote, splits=())
+    if _stored_counts(copy, load_corpus_meta(copy)) is not None:
+        return
+    full = local_corpus(remote)
+    term_counts(full)
+    (remote / TERM_COUNTS_FILE).upload(full / TERM_COUNTS_FILE)
 
 
 def load_corpus_meta(corpus_dir) -> dict:

@@ -130,7 +130,7 @@ def from_run(run: Path, corpus: Path | None = None, data: Path | None = None) ->
     if "encoder.embed.weight" not in weights or "head.out.weight" not in weights:
         raise ExportError(f"{path} holds no replaced-token detector (encoder.* and head.* weights)")
     vocab_size = weights["encoder.embed.weight"].shape[0]
-    corpus_dir = local_corpus(corpus or config.corpus_dir)  # object storage: this machine's copy
+    corpus_dir = local_corpus(corpus or config.corpus_dir, splits=("valid",))  # s3://: a copy here (rows: check_tokenizer's)
     tokenizer = open_corpus_tokenizer(corpus_dir, vocab_size, path)
     recorded = state.get("tokenizer_sha256") or ""  # the corpus.json hash the trainer saw; older checkpoints: none
     if recorded and recorded != tokenizer.sha256:
@@ -184,7 +184,7 @@ def from_aux(aux_path: Path, corpus: Path | None = None) -> Trained:
         if config is None:
             raise ExportError(f"{folder} has no resolved_manifest.toml to find the corpus by; pass --corpus")
         corpus = config.corpus_dir
-    corpus = local_corpus(corpus)  # object storage: this machine's copy
+    corpus = local_corpus(corpus, splits=("valid",))  # object storage: a copy here (rows: check_tokenizer's)
     tokenizer = open_corpus_tokenizer(corpus, payload["vocab_size"], aux_path)
     if tokenizer.sha256 != payload["tokenizer_sha256"]:
         raise ExportError(f"{aux_path} was trained with tokenizer sha256 {payload['tokenizer_sha256'][:12]} but "

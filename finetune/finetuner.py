@@ -92,7 +92,7 @@ def load_backbone(checkpoint: str | None, manifest: str, init: str, corpus: str 
         raise ConfigError("pass --checkpoint (a trainer checkpoint or run folder), or --init none")
     else:
         config = load_manifest(manifest)
-    corpus_dir = local_corpus(corpus or config.corpus_dir)  # a folder, or this machine's copy of an s3:// corpus
+    corpus_dir = local_corpus(corpus or config.corpus_dir, splits=())  # a folder, or a copy of an s3:// one's tokenizer
     tokenizer = open_tokenizer(corpus_dir)  # ours (SentencePiece), or an hf: aux model's
     source = {"init": init, "tokenizer": str(tokenizer.path), "tokenizer_sha256": tokenizer.sha256,
               "model": dataclasses.asdict(config.model)}

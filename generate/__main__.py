@@ -61,8 +61,8 @@ def check_aux_current(config) -> None:
     left by other settings (its shards would be described by a manifest that did not make them)."""
     from common.aux_record import aux_is_current
     from common.corpus import local_corpus
-    # a corpus on object storage: this machine's copy, which the generator reads next anyway
-    if not aux_is_current(config, local_corpus(config.corpus_dir), config.aux_dir):
+    # a corpus on object storage: this machine's copy of its corpus.json and tokenizer (the generator's own)
+    if not aux_is_current(config, local_corpus(config.corpus_dir, splits=()), config.aux_dir):
         raise IncompatibleInputs(f"{config.aux_dir / AUX_FILE} was not made by this manifest's [aux] settings, "
                                  f"corpus and source ({config.aux.source or 'trained here'}): `make aux` "
                                  f"(python -m auxiliary) makes it, or name an aux model with --aux")

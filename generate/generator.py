@@ -20,7 +20,7 @@ from pathlib import Path
 
 from common.checkpoint import IncompatibleInputs, check_aux_matches_tokenizer, check_sizes, local_aux, read_aux_meta
 from common.config import RESOLVED_FILE, ConfigError, RunConfig, config_to_dict, save_resolved
-from common.corpus import SplitRows, load_corpus_meta, local_corpus, term_counts
+from common.corpus import check_parts, load_corpus_meta, local_corpus, stored_term_counts
 from common.io import (DamagedFile, FolderLock, atomic_write_json, file_stamp, read_json, remove_stale_tmp,
                        sha256_file)
 from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA
@@ -73,8 +73,10 @@ def replace_shards(out_dir) -> None:
     rmtree(out_dir)
 
 
-def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: Path, force: bool) -> dict:
-    """Everything that can be wrong with the inputs, found before any work starts."""
+def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: Path, force: bool,
+                 rows_at=None) -> dict:
+    """Everything that can be wrong with the inputs, found before any work starts. `rows_at`: where the
+    corpus's parts are, when `corpus_dir` is this machine's copy of the rest of a corpus on object storage."""
     corpus = load_corpus_meta(corpus_dir)
     if corpus["train"]["rows"] == 0 or corpus["valid"]["rows"] == 0:
         raise CorpusError(f"corpus {corpus_dir} is empty (train {corpus['train']['rows']} rows, "
@@ -83,10 +85,9 @@ def check_inputs(config: RunConfig, corpus_dir: Path, aux_path: Path, out_dir: P
     # are paid for
     check_sizes(f"corpus {corpus_dir} has", corpus["vocab_size"], corpus["max_seq_len"], config,
                 "; the trainer would refuse these shards (build the corpus for this manifest, or use its setting)")
-    for split in ("train", "valid"):
-        SplitRows(corpus_dir, split)  # the rows the actors read: present, right size
+    check_parts(rows_at or corpus_dir)  # the rows the actors read: present, right size
     if needs_term_counts(config.generate.distribution, config.generate.augmentation):
-        term_counts(corpus_dir)  # computed once and stored beside the corpus, before the actors read it
+        stored_term_counts(rows_at or corpus_dir)  # computed once and stored beside the corpus, before the actors read it
     aux = read_aux_meta(aux_path)
     check_aux_matches_tokenizer(aux, aux_path, corpus["vocab_size"], corpus["tokenizer_sha256"],
                                 corpus_dir / "tokenizer.model")
@@ -239,8 +240,10 @@ def plan_record(checked: dict, tasks, config: RunConfig) -> dict:
 
 def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
               address: str | None, force: bool, log, verify: bool = False) -> dict:
-    # inputs on object storage are read from a copy on this machine (each actor makes its own)
-    checked = check_inputs(config, local_corpus(corpus_dir), local_aux(aux_path), out_dir, force)
+    # inputs on object storage are read from a copy on this machine (each actor makes its own; this process
+    # reads no row, so its copy of a corpus leaves the parts out)
+    checked = check_inputs(config, local_corpus(corpus_dir, splits=()), local_aux(aux_path), out_dir, force,
+                           rows_at=corpus_dir if is_remote(corpus_dir) else None)
     corpus, plan = checked["corpus"], checked["plan"]
     if plan.rows_per_epoch < config.generate.rows_per_epoch:
         log(f"generate: note: generate.rows_per_epoch {config.generate.rows_per_epoch:,} is more than the corpus's "

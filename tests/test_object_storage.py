@@ -331,3 +331,40 @@ def test_a_corpus_upload_killed_midway_is_finished_by_the_rerun_without_building
     assert "corpus.json" in files and len(files) > len(first) and set(files) == set(_objects(client, prefix))
     assert {k: _sha(client, prefix + k) for k in files} == {k: hashlib.sha256(p.read_bytes()).hexdigest()
                                                            for k, p in files.items()}
+
+
+def test_the_generators_driver_checks_an_s3_corpus_without_downloading_its_rows(s3, remote_inputs, built, tmp_path):
+    """The driver reads no row: its copy of a corpus on object storage is corpus.json and the tokenizer (at
+    1 TB of text it was every part, on the machine that submits the job); the parts are checked by one
+    listing, a missing one named. A TF curriculum's term counts are stored beside the corpus once, and the
+    copies (an actor's) take them instead of counting every row."""
+    import numpy as np
+    from common.checkpoint import local_aux
+    from common.config import load_manifest
+    from common.corpus import CORPUS_META, TERM_COUNTS_FILE, load_corpus_meta, local_corpus, term_counts
+    from common.sources import CorpusError
+    from common.storage import location
+    from generate.generator import check_inputs
+    client, _ = s3
+    for key in _objects(client, "corpus/"):  # a copy of the module's corpus, to damage
+        client.copy_object(Bucket=BUCKET, Key=f"corpus-copy/{key}", CopySource={"Bucket": BUCKET, "Key": f"corpus/{key}"})
+    remote = location(f"s3://{BUCKET}/corpus-copy")
+    config = load_manifest(str(remote_inputs), ["generate.distribution=\"term_frequency\""])
+    aux = local_aux(location(f"s3://{BUCKET}/aux/aux.pt"))
+    copy = local_corpus(remote, splits=())
+    meta = load_corpus_meta(copy)
+    parts = [r["path"] for split in ("train", "valid") for p in meta[split]["parts"] for r in p["flat"].values()]
+    assert parts and not any((copy / p).exists() for p in parts)
+    assert (copy / CORPUS_META).is_file() and (copy / "tokenizer.model").is_file()
+    assert (copy / TERM_COUNTS_FILE).is_file()  # the corpus stage's, stored beside its corpus
+    client.delete_object(Bucket=BUCKET, Key=f"corpus-copy/{TERM_COUNTS_FILE}")  # a corpus put there by hand
+    assert not (local_corpus(remote, splits=()) / TERM_COUNTS_FILE).exists()
+    checked = check_inputs(config, copy, aux, tmp_path / "epochs", False, rows_at=remote)
+    assert checked["corpus"]["train"]["rows"] == meta["train"]["rows"]
+    stored = client.get_object(Bucket=BUCKET, Key=f"corpus-copy/{TERM_COUNTS_FILE}")["Body"].read()
+    (tmp_path / "counts.npy").write_bytes(stored)
+    assert np.array_equal(np.load(tmp_path / "counts.npy"), term_counts(built.corpus_dir))
+    assert (local_corpus(remote, splits=()) / TERM_COUNTS_FILE).is_file()  # what each actor's copy now takes
+    client.delete_object(Bucket=BUCKET, Key=f"corpus-copy/{parts[-1]}")
+    with pytest.raises(CorpusError, match=f"{remote / parts[-1]} is missing or has another size than corpus.json"):
+        check_inputs(config, copy, aux, tmp_path / "epochs", False, rows_at=remote)

@@ -320,7 +320,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
 
     # the ids never masked nor sampled: the specials, and an hf: tokenizer's unused entries
     corpus_dir = corpus_folder(config, args)
-    reserved = tokenizer_reserved(local_corpus(corpus_dir)) if tc.objective in ("electra", "mlm") else Reserved()
+    reserved = tokenizer_reserved(local_corpus(corpus_dir, splits=())) if tc.objective in ("electra", "mlm") else Reserved()
     mask_prob = config.aux.mask_prob if mlm else config.generate.mask_prob
     masking = {"seed": config.seed, "mask_prob": mask_prob, "reserved": reserved, "vocab_size": vocab_size}
     to_batch = (partial(mlm_tensors, **masking) if mlm else partial(electra_tensors, **masking)
