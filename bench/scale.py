@@ -184,7 +184,7 @@ def write_shard_folder(out: Path, shards: int, rows_per_shard: int, row_group: i
                    "input_ids": int_lists(ids, pa.int32()),
                    "labels": int_lists([rng.random(seq_len) < 0.15 for _ in ids], pa.bool_())}
         path = f"epoch-000/shard-{k:05d}.parquet"
-        info = write_parquet(out / path, columns, SHARD_SCHEMA, SHARD_ENCODING, zstd_level, row_group)
+        info = write_parquet(out / path, columns, SHARD_SCHEMA, SHARD_ENCODING, zstd_level, row_group, start)
         records.append({"path": path, "rows": rows_per_shard, **info})
     atomic_write_json(out / "records.json", records)
 

@@ -65,14 +65,22 @@ SHARD_ENCODING = {"stream_index": "DELTA_BINARY_PACKED", "temperature": "BYTE_ST
 
 
 def write_parquet(path: str | Path, columns: dict, schema: pa.Schema, column_encoding: dict | None = None,
-                  compression_level: int | None = None, row_group_rows: int = 0) -> dict:
+                  compression_level: int | None = None, row_group_rows: int = 0, first_row: int = 0) -> dict:
     """Write `columns` with `schema` atomically, in row groups of `row_group_rows` rows (0: one), every
-    page with a CRC32 (`read_row_group` checks them); returns bytes and sha256 of the file."""
+    page with a CRC32 (`read_row_group` checks them); returns bytes and sha256 of the file. `first_row`: the
+    stream position of the first row; the groups end where the stream's multiples of `row_group_rows` do
+    (the first one shorter if it starts between two), so a trainer rank's slice of a batch is whole groups
+    in every epoch, whatever an epoch's length (each epoch's shards start where the one before ended)."""
     table = pa.Table.from_pydict(columns, schema=schema)
+    size = row_group_rows or max(1, table.num_rows)
+    cuts = [0, *range(size - first_row % size if row_group_rows else size, table.num_rows, size), table.num_rows]
     with atomic_path(path) as tmp:  # on object storage: written locally, then uploaded in one put
-        pq.write_table(table, tmp, compression="zstd", compression_level=compression_level, use_dictionary=False,
-                       column_encoding=column_encoding, write_statistics=False, store_schema=True,
-                       row_group_size=row_group_rows or max(1, table.num_rows), write_page_checksum=True)
+        with pq.ParquetWriter(tmp, table.schema, compression="zstd", compression_level=compression_level,
+                              use_dictionary=False, column_encoding=column_encoding, write_statistics=False,
+                              store_schema=True, write_page_checksum=True) as writer:
+            for lo, hi in zip(cuts, cuts[1:]):
+                if hi > lo:
+                    writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
         info = {"bytes": Path(tmp).stat().st_size, "sha256": sha256_file(tmp)}
     return info
 

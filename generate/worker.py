@@ -63,7 +63,7 @@ class ShardWriter:
             "labels": int_lists(out["labels"], pa.bool_()),
         }
         info = write_parquet(self.out_dir / task.path, columns, SHARD_SCHEMA, SHARD_ENCODING, self.zstd_level,
-                             self.row_group_rows)
+                             self.row_group_rows, task.stream_start)
         phase("write")
         tokens = int(sum(len(r) for r in rows))
         return {
