@@ -139,6 +139,33 @@ def test_following_a_folder_of_another_generation_is_refused_before_any_step(gen
     open_data(data, dataclasses.replace(built, seed=built.seed + 1))  # without --follow: the folder is trusted
 
 
+def test_following_a_generation_for_a_longer_run_is_read_as_its_finished_folder_would_be(generated, built, tmp_path):
+    """With generate.epochs = 0 the stream's length (train.max_steps x batch_size) is in the generation key: a
+    short run following a long one's generation is the same generation, noted and read, as the finished
+    folder is; it was refused as another generation, with the advice to remove the folder (at base, 190 GB
+    being written)."""
+    from common.corpus import load_corpus_meta
+    from common.plan import stream_plan
+    from common.shards import MANIFEST_FILE
+    from train.data import DataError, expected_key, open_data
+    _, data, _ = generated
+    folder = shutil.copytree(data, tmp_path / "epochs")
+    (folder / MANIFEST_FILE).unlink()  # still being generated: read by its plan
+    with_steps = lambda config, steps: dataclasses.replace(  # noqa: E731
+        config, generate=dataclasses.replace(config.generate, epochs=0),
+        train=dataclasses.replace(config.train, max_steps=steps))
+    long, short = with_steps(built, 1500), with_steps(built, 100)
+    plan = json.loads((folder / "plan.json").read_text())
+    plan["total_rows"] = stream_plan(load_corpus_meta(built.corpus_dir)["train"]["rows"], long).total_rows
+    plan["generation_key"] = expected_key(long)  # what the long run's generator writes
+    (folder / "plan.json").write_text(json.dumps(plan))
+    notes = []
+    assert open_data(folder, short, follow=5, log=notes.append)["following"] is True
+    assert any(f"generated for a stream of {plan['total_rows']:,} rows" in n for n in notes), notes
+    with pytest.raises(DataError, match="another generation"):  # another seed is still another generation
+        open_data(folder, dataclasses.replace(short, seed=short.seed + 1), follow=5)
+
+
 def test_the_prior_of_a_finished_folder_needs_no_progress_log(generated, built, tmp_path):
     from train.data import open_data
     _, data, _ = generated

@@ -198,9 +198,10 @@ def planned_manifest(data_dir, config: RunConfig, timeout: float, log=print, gen
     return manifest
 
 
-def expected_key(config: RunConfig) -> str | None:
+def expected_key(config: RunConfig, total_rows: int | None = None) -> str | None:
     """The generation key of this config with the corpus and aux model at its paths: what the generator that
-    `make train` starts writes. None where either is not there (shards made elsewhere, trusted by their plan)."""
+    `make train` starts writes. None where either is not there (shards made elsewhere, trusted by their plan).
+    `total_rows`: the stream's length instead of this config's (a folder generated for a longer run)."""
     from common.checkpoint import AUX_FILE, read_aux_meta
     from common.plan import generation_key, stream_plan
     corpus_path = location(config.corpus_dir) / CORPUS_META
@@ -208,7 +209,7 @@ def expected_key(config: RunConfig) -> str | None:
         corpus, aux = read_json(corpus_path, ("train",), REBUILD), read_aux_meta(location(config.aux_dir) / AUX_FILE)
     except FileNotFoundError:
         return None
-    total_rows = stream_plan(corpus["train"]["rows"], config).total_rows
+    total_rows = total_rows or stream_plan(corpus["train"]["rows"], config).total_rows
     return generation_key(config.seed, config.generate, corpus, aux["sha256"], total_rows)
 
 
@@ -237,10 +238,17 @@ def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, gener
         manifest = planned_manifest(data_dir, config, follow, log, generator_pid)
         planned = len(manifest["valid"]["shards"]) + sum(len(e["shards"]) for e in manifest["epochs"])
         follower = Follower(data_dir, follow, planned, log, generator_pid)
-    if follow and (ours := expected_key(config)) and manifest.get("generation_key") != ours:
-        raise DataError(f"{data_dir} holds shards of another generation (key {manifest.get('generation_key', '?')[:12]}; "
-                        f"this config, corpus and aux model make {ours[:12]}): the generator will not overwrite them. "
-                        f"Train on another folder (DATA=..., --data), or remove this one and run again")
+    theirs = manifest.get("generation_key")
+    if follow and (ours := expected_key(config)) and theirs != ours:
+        # the same generation but for a stream of another length (epochs = 0 follows train.max_steps): read as
+        # the finished folder would be, its length checked with the trainer's stream
+        if theirs == expected_key(config, manifest.get("total_rows")):
+            log(f"train: note: {data_dir} is generated for a stream of {manifest['total_rows']:,} rows, not this "
+                f"run's length; its rows keep that stream's temperatures")
+        else:
+            raise DataError(f"{data_dir} holds shards of another generation (key {(theirs or '?')[:12]}; "
+                            f"this config, corpus and aux model make {ours[:12]}): the generator will not overwrite "
+                            f"them. Train on another folder (DATA=..., --data), or remove this one and run again")
     if not follow and (differ := generation_difference(manifest.get("config", {}), config)):
         # shards are meant to be reused across runs, so not an error; but the run's resolved_manifest.toml
         # records this manifest's [generate], not what made the data
