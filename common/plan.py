@@ -177,6 +177,18 @@ def has_schedule(cfg: GenerateConfig) -> bool:
     return cfg.distribution in SCHEDULED_DISTRIBUTIONS
 
 
+def granularity_note(cfg: GenerateConfig, epochs: int, most: int = 4) -> str | None:
+    """What `temperature_granularity = "epoch"` makes of a stream of few epochs (a large corpus, base's
+    budget: one or two), where the curriculum of section 3 keeps the first epoch's value throughout (a
+    single epoch: T0 for every row); None where it is not asked or there are more than `most` epochs."""
+    if cfg.temperature_granularity != "epoch" or epochs > most or not has_schedule(cfg):
+        return None
+    which = 0 if scales_temperature(cfg) else 1  # the temperatures, or the strengths of another curriculum
+    values = [float(epoch_curriculum(cfg, e, np.zeros(1), 0, epochs)[which][0]) for e in range(epochs)]
+    return (f"temperature_granularity = \"epoch\" over {epochs} epoch(s): the curriculum takes {epochs} value(s), "
+            f"{', '.join(f'{v:.3f}' for v in values)}, one an epoch (\"row\" follows it row by row at any length)")
+
+
 def epoch_curriculum(cfg: GenerateConfig, epoch: int, stream_index: np.ndarray, total_rows: int, epochs: int = 0):
     """(temperatures, gammas) of each row (appendix C). u per row (default) or, the paper's coarser
     option, per epoch. Temperature scaling: T = 1 + gamma(u) with gamma_max = T0 - 1 (eq. exp-decay);

@@ -26,7 +26,7 @@ from common.io import (DamagedFile, FolderLock, atomic_write_json, file_stamp, r
 from common.shards import FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA
 from common.parallel import cluster_size
 from common.sources import CorpusError
-from common.plan import curriculum_record, generation_key, plan_tasks, stream_plan
+from common.plan import curriculum_record, generation_key, granularity_note, plan_tasks, stream_plan
 from common.corrupt import needs_term_counts
 from common.storage import is_remote, list_files, location, rmtree
 
@@ -248,6 +248,8 @@ def _generate(config: RunConfig, out_dir, corpus_dir, aux_path, workers: int,
     if plan.rows_per_epoch < config.generate.rows_per_epoch:
         log(f"generate: note: generate.rows_per_epoch {config.generate.rows_per_epoch:,} is more than the corpus's "
             f"{corpus['train']['rows']:,} training rows: an epoch is all of them")
+    if note := granularity_note(config.generate, plan.epochs):
+        log(f"generate: note: {note}")
     tasks = plan_tasks(corpus["train"]["rows"], corpus["valid"]["rows"], config.generate, config.seed, plan.total_rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not is_remote(out_dir):

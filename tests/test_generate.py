@@ -62,6 +62,15 @@ def test_plan_gives_every_row_its_own_u():
     assert {t.epoch for t in coarse_train} == {0, 1}
     for t in coarse_train:  # the paper's coarser option: one temperature per epoch, u = epoch / epochs
         assert np.all(t.temperatures == temperature_at(t.epoch / 2, 2.0, 0.1))
+    # over few epochs (a corpus as large as the budget) that is a few temperatures: said by the generator
+    from common.plan import granularity_note
+    assert granularity_note(GenerateConfig(temperature_granularity="epoch"), 1) == (
+        'temperature_granularity = "epoch" over 1 epoch(s): the curriculum takes 1 value(s), 2.000, one an epoch '
+        '("row" follows it row by row at any length)')
+    assert f"2.000, {temperature_at(0.5, 2.0, 0.1):.3f}, one an epoch" in granularity_note(
+        GenerateConfig(temperature_granularity="epoch"), 2)
+    assert granularity_note(GenerateConfig(temperature_granularity="epoch"), 5) is None
+    assert granularity_note(GenerateConfig(), 1) is None
 
 
 def _copy_aux_with_vocab(built, tmp_path, vocab):
