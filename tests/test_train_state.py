@@ -112,6 +112,12 @@ def test_the_rtd_weight_of_electra_counts_for_electra_runs_only(tmp_path):
 
 def test_resume_refuses_a_changed_trajectory_naming_the_keys(tmp_path):
     config, _ = _saved_run(tmp_path)
+    config.corpus.source = "/mnt/moved/raw"  # the text mounted elsewhere: its rows are in the data's key
+    assert _restore(tmp_path, config)[0] is not None
+    config.corpus.max_seq_len = 64  # what makes other rows of it
+    with pytest.raises(IncompatibleInputs, match=r"corpus\.max_seq_len changed"):
+        _restore(tmp_path, config)
+    config.corpus.max_seq_len = 32
     config.train.lr, config.generate.t0 = 5e-3, 3.0
     with pytest.raises(IncompatibleInputs, match=r"generate\.t0, train\.lr changed"):
         _restore(tmp_path, config)

@@ -78,6 +78,9 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
     current = trajectory_config(config_to_dict(config))
     for trajectory in (saved, current):  # the same update up to rounding, as another number of ranks: what the
         trajectory["train"].pop("micro_batch", None)  # memory check asks of a run resumed on smaller GPUs
+        # where the raw text was read from: the rows are the corpus's (in the data's fingerprint, compared above),
+        # and a preempted run resumed where the text is mounted at another path is the same run
+        trajectory["corpus"].pop("source", None)
     if saved != current:
         raise IncompatibleInputs(f"checkpoint {path} was made with another config ({', '.join(changed_keys(saved, current))} "
                                  f"changed); use a new --out")
