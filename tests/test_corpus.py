@@ -119,6 +119,25 @@ def test_a_plain_jsonl_is_read_once_and_bad_lines_in_later_ranges_are_named_by_l
     assert len(counted) <= 2  # once per range that holds a bad line, not once per line
 
 
+def test_bad_lines_in_every_range_of_a_plain_jsonl_are_numbered_reading_it_about_once(tmp_path):
+    """Skipping bad lines spread through a large plain .jsonl: each range's line count starts where the one
+    before it ended (it read the file from byte 0 for every range that held one: 22x the file's bytes for
+    45 units, quadratic in the units)."""
+    path = tmp_path / "c.jsonl"
+    lines = [f'{{"text": "document {i}"}}' if i % 97 else '{"text": null}' for i in range(20_000)]
+    path.write_text("\n".join(lines) + "\n")
+    units = list(work_units(source_files(str(path), tmp_path), unit_bytes=path.stat().st_size // 40))
+    assert len(units) >= 40
+    rchar = lambda: int(next(line for line in Path("/proc/self/io").read_text().splitlines()  # noqa: E731
+                             if line.startswith("rchar")).split()[1])
+    skipped, before = [], rchar()
+    docs = [d for u in units for d in read_unit(u, "text", skipped)]
+    read = rchar() - before
+    assert len(docs) == 20_000 - len(skipped) and len(skipped) == len(range(0, 20_000, 97))
+    assert [int(str(e).split(":")[1]) for e in skipped] == [i + 1 for i in range(0, 20_000, 97)]
+    assert read < 3 * path.stat().st_size, read / path.stat().st_size  # the units, and the count once
+
+
 def test_copies_that_differ_in_line_ends_or_outer_whitespace_hash_alike_in_every_format(tmp_path):
     """The hash is of cleaned text in every format: such copies are duplicates, never split between the
     training and held-out sides."""
@@ -389,6 +408,33 @@ def test_a_large_txt_gz_is_read_in_documents_of_its_lines(tmp_path, monkeypatch)
     docs = [d for u in work_units(source_files(str(tmp_path / "book.txt.gz"), tmp_path), 1 << 20)
             for d in read_unit(u, "text")]
     assert [line.strip() for d in docs for line in d.text.splitlines()] == [line.strip() for line in lines]
+
+
+def test_only_a_gutenberg_etext_is_cut_at_its_markers_whole_compressed_or_in_ranges(tmp_path, monkeypatch):
+    """A crawl or a dump of many books quoting a book's last line ("End of the Project Gutenberg EBook of X") is
+    text: everything after such a line was dropped (in a large compressed file, the rest of the file: a build of
+    18 MB kept 5% of it). Only a file whose beginning holds an e-text's header is cut at the markers."""
+    import common.sources as sources
+    monkeypatch.setattr(sources, "TEXT_DOCUMENT_BYTES", 1000)
+    monkeypatch.setattr(sources, "GUTENBERG_HEAD_CHARS", 1000)  # an e-text's header: at its top (65,536 here)
+    lines = [f"line {i} of a crawl\n" for i in range(300)]
+    lines[100] = "End of the Project Gutenberg EBook of Hamlet, quoted on a web page\n"
+    lines[200] = "*** START OF THE PROJECT GUTENBERG EBOOK X *** quoted too\n"
+    assert strip_gutenberg("".join(lines)) == "".join(lines).strip()
+    with gzip.open(tmp_path / "crawl.txt.gz", "wt") as f:
+        f.write("".join(lines))
+    (tmp_path / "crawl.txt").write_text("".join(lines))
+    for name, unit in (("crawl.txt.gz", 1 << 20), ("crawl.txt", 2000)):  # the plain one in ranges of 2,000 bytes
+        units = list(work_units(source_files(str(tmp_path / name), tmp_path), unit))
+        docs = [d for u in units for d in read_unit(u, "text")]
+        assert len(docs) > 2 and [line.strip() for d in docs for line in d.text.splitlines()] == [
+            line.strip() for line in lines], name
+    # an e-text read in ranges: the header cut from the first range only, each range's text kept
+    book = ["*** START OF THE PROJECT GUTENBERG EBOOK X ***\n", *[f"line {i} of the work\n" for i in range(300)]]
+    (tmp_path / "book.txt").write_text("".join(book))
+    docs = [d for u in work_units(source_files(str(tmp_path / "book.txt"), tmp_path), 2000)
+            for d in read_unit(u, "text")]
+    assert len(docs) > 2 and [line for d in docs for line in d.text.splitlines()] == [x.strip() for x in book[1:]]
 
 
 @pytest.mark.parametrize("suffix", ["gz", "zst"])
