@@ -331,10 +331,12 @@ PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": False, "write_statis
 
 
 def _write_names(writer, names: list) -> None:
-    """Append (and clear) documents' records to the unit's documents part."""
+    """Append (and clear) documents' records to the unit's documents part. A file name that is not UTF-8 (a
+    Latin-1 archive unpacked here: Python keeps its bytes as surrogates) is recorded with those bytes as \\xNN."""
     if names:
+        text = [n[1].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for n in names]
         writer.write_table(pa.table({"doc_id": pa.array([n[0] for n in names], pa.int32()),
-                                     "name": pa.array([n[1] for n in names]), "split": pa.array([n[2] for n in names]),
+                                     "name": pa.array(text), "split": pa.array([n[2] for n in names]),
                                      "chars": pa.array([n[3] for n in names], pa.int64())}, schema=DOCUMENTS_SCHEMA))
         names.clear()
 
@@ -892,4 +894,13 @@ def corpus_is_current(config: RunConfig, corpus_dir: Path, source: str) -> bool:
                                                 else Path(corpus_dir).parent) / "downloads")
     except (CorpusError, DamagedFile):  # a damaged corpus.json: built again
         return False
-    return meta.get("build_key") == build_key(config, files) and meta.get("source") == source
+    return meta.get("build_key") == build_key(config, files) and _same_source(meta.get("source"), source)
+
+
+def _same_source(built: str | None, source: str) -> bool:
+    """The same source, spelled either way: a local folder with or without its trailing slash, relative or
+    absolute (a whole rebuild for `raw/` after `raw`, the build key being the same)."""
+    if built == source:
+        return True
+    local = built and "://" not in built + source
+    return bool(local) and os.path.realpath(built) == os.path.realpath(source)

@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -1426,3 +1427,21 @@ def test_a_ray_worker_that_does_not_see_the_staging_folder_stops_the_pass_with_o
     finally:
         ray.shutdown()
     assert sorted(r["unit"] for r in results) == [u.index for u in units]
+
+
+def test_a_file_name_that_is_not_utf8_is_recorded_and_the_source_spelled_either_way_is_current(tmp_path,
+                                                                                             monkeypatch):
+    """A Latin-1 name (Python keeps its bytes as surrogates) stopped the pack pass with a traceback naming no
+    file, and every rerun the same; a source given with a trailing slash, or relative, rebuilt a current corpus."""
+    import pyarrow.parquet as pq
+    raw = write_text_corpus(tmp_path / "raw", num_docs=4)
+    os.rename(raw / "work_03.txt", os.fsencode(raw) + b"/caf\xe9_03.txt")
+    config = tiny_config(tmp_path)
+    out = build_corpus(config, tmp_path / "corpus", workers=1, log=lambda *_: None)
+    names = [n for f in sorted((out / "documents").glob("*.parquet")) for n in pq.read_table(f).column("name").to_pylist()]
+    assert "caf\\xe9_03.txt" in names
+    monkeypatch.chdir(tmp_path)
+    for spelling in (str(raw), f"{raw}/", "raw", "./raw/"):
+        assert corpus_is_current(config, out, spelling), spelling
+    other = shutil.copytree(raw, tmp_path / "other", copy_function=shutil.copy2)  # the same names, sizes, times
+    assert not corpus_is_current(config, out, str(other))
