@@ -29,6 +29,7 @@ import tarfile
 import tempfile
 import weakref
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -344,11 +345,20 @@ def _write_run(files, path: str) -> str:
 LISTING_PREFIX = "fast-electra-listing-"
 
 
+def _listing_prefix() -> str:
+    """The names of this machine's listing folders: a temporary folder shared with other machines (a
+    cluster's scratch, a container's mounted /tmp) holds theirs too, whose pids mean nothing here."""
+    import socket
+    return f"{LISTING_PREFIX}{socket.gethostname()}-"
+
+
 def _remove_dead_listings() -> None:
     """The listing folders of processes of this machine that died (killed builds) are removed: their name
-    holds the pid of the process that made it (a pid in use again keeps its folder until that one ends)."""
-    for folder in Path(tempfile.gettempdir()).glob(LISTING_PREFIX + "*"):
-        pid = folder.name[len(LISTING_PREFIX):].split("-")[0]
+    holds the machine's name and the pid of the process that made it (a pid in use again keeps its folder
+    until that one ends)."""
+    prefix = _listing_prefix()
+    for folder in Path(tempfile.gettempdir()).glob(glob_escape(prefix) + "*"):
+        pid = folder.name[len(prefix):].split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -358,7 +368,7 @@ def _sorted_on_disk(files: Iterator[SourceFile]) -> SourceList:
     LISTING_FAN_IN of them (past it the runs so far are merged into one)."""
     if Path("/proc/self").exists():  # where pids can be checked (Linux)
         _remove_dead_listings()
-    folder = tempfile.mkdtemp(prefix=f"{LISTING_PREFIX}{os.getpid()}-")
+    folder = tempfile.mkdtemp(prefix=f"{_listing_prefix()}{os.getpid()}-")
     try:
         runs, batch, count, size = [], [], 0, 0
         for file in itertools.chain(files, [None]):

@@ -1316,20 +1316,24 @@ def test_the_drivers_listing_of_4x_the_files_peaks_at_the_memory_of_1x(tmp_path,
 
 def test_listing_folders_of_dead_processes_are_removed(tmp_path, monkeypatch):
     """A killed build leaves its listing's runs in TMPDIR (~150 bytes a source file); the next listing on
-    the machine removes those of processes that are gone, not a living one's."""
+    the machine removes those of its processes that are gone, not a living one's, nor another machine's
+    (a TMPDIR shared with it: a pid that is no process here may be a live build there)."""
+    import socket
     import tempfile
     from common import sources
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / "tmp" / f"{sources.LISTING_PREFIX}{gone.stdout.strip()}-abc"
-    living = tmp_path / "tmp" / f"{sources.LISTING_PREFIX}{os.getppid()}-def"
-    for folder in (dead, living):
+    here = f"{sources.LISTING_PREFIX}{socket.gethostname()}-"
+    dead = tmp_path / "tmp" / f"{here}{gone.stdout.strip()}-abc"
+    living = tmp_path / "tmp" / f"{here}{os.getppid()}-def"
+    elsewhere = tmp_path / "tmp" / f"{sources.LISTING_PREFIX}other-node-7-{gone.stdout.strip()}-ghi"
+    for folder in (dead, living, elsewhere):
         folder.mkdir()
         (folder / "run-000000.jsonl").write_text("[]\n")
     write_text_corpus(tmp_path / "raw", num_docs=2)
     files = source_files(str(tmp_path / "raw"), tmp_path)
-    assert not dead.exists() and living.exists() and len(files) == 2
+    assert not dead.exists() and living.exists() and elsewhere.exists() and len(files) == 2
     assert Path(files.runs[0]).parent.parent == tmp_path / "tmp"
 
 
