@@ -716,6 +716,21 @@ def trajectory_config(data: dict) -> dict:
     return kept
 
 
+# What a run may change when it resumes, its updates the same up to rounding: the micro-batch (the memory check
+# asks it of a run resumed on smaller GPUs), torch.compile and the attention's kernel (turned off or changed after
+# one failed); and where the raw text was read from (the rows are the corpus's, in the data's key).
+RESUME_MAY_CHANGE = {"train": ("micro_batch", "compile", "attention"), "corpus": ("source",)}
+
+
+def resume_trajectory(data: dict) -> dict:
+    """`trajectory_config` less RESUME_MAY_CHANGE: what a resumed run must share with its checkpoint, and a
+    finished run with a sweep's combination that it stands for."""
+    kept = trajectory_config(data)
+    for table, keys in RESUME_MAY_CHANGE.items():
+        kept[table] = {k: v for k, v in kept[table].items() if k not in keys}
+    return kept
+
+
 def changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
     """Dotted names of the keys whose values differ between two config dicts."""
     keys = []

@@ -26,7 +26,7 @@ from pathlib import Path
 from common.checkpoint import IncompatibleInputs
 from common.storage import location
 from common.config import (ConfigError, RunConfig, add_manifest_argument, add_set_argument, config_from_dict,
-                           config_to_dict, dump_toml, load_manifest, trajectory_config)
+                           config_to_dict, dump_toml, load_manifest, resume_trajectory)
 from common.io import DamagedFile, DiskFull, atomic_write_json, atomic_write_text
 from train.data import DataError, load_data_manifest
 from common.process import Interrupted, run_child, trainer_command
@@ -70,7 +70,7 @@ def finished(run_dir: Path, config: RunConfig, fingerprint: str) -> bool:
         return False
     return (isinstance(summary, dict) and summary.get("data_fingerprint") == fingerprint
             and summary.get("steps") == summary.get("planned_steps")
-            and trajectory_config(config_to_dict(resolved)) == trajectory_config(config_to_dict(config)))
+            and resume_trajectory(config_to_dict(resolved)) == resume_trajectory(config_to_dict(config)))
 
 
 def best_run(rows: list[dict]) -> str | None:

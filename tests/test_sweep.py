@@ -154,6 +154,10 @@ def test_a_diverged_run_is_never_the_best_and_an_unfinished_summary_is_no_finish
     for steps, planned, done in ((8, 8, True), (5, 8, False)):  # a run cut short (a deadline) is not finished
         (run / "summary.json").write_text(json.dumps({"data_fingerprint": "f", "steps": steps, "planned_steps": planned}))
         assert finished(run, config, "f") is done
+    # what a resume may change (its updates the same up to rounding) does not make it another combination's run
+    (run / "summary.json").write_text(json.dumps({"data_fingerprint": "f", "steps": 8, "planned_steps": 8}))
+    other = load_manifest(manifest, ["train.micro_batch=4", "train.compile=\"off\"", "corpus.source=\"/mnt/raw\""])
+    assert finished(run, other, "f") and not finished(run, load_manifest(manifest, ["train.lr=0.5"]), "f")
 
 
 def test_a_finished_run_given_to_reuse_stands_for_the_combination_with_its_settings(generated, tmp_path, monkeypatch):

@@ -113,6 +113,7 @@ def test_the_rtd_weight_of_electra_counts_for_electra_runs_only(tmp_path):
 def test_resume_refuses_a_changed_trajectory_naming_the_keys(tmp_path):
     config, _ = _saved_run(tmp_path)
     config.corpus.source = "/mnt/moved/raw"  # the text mounted elsewhere: its rows are in the data's key
+    config.train.compile, config.train.attention = "on", "sdpa"  # turned off or changed after one failed
     assert _restore(tmp_path, config)[0] is not None
     config.corpus.max_seq_len = 64  # what makes other rows of it
     with pytest.raises(IncompatibleInputs, match=r"corpus\.max_seq_len changed"):

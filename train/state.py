@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
-from common.config import RunConfig, changed_keys, config_from_dict, config_to_dict, trajectory_config
+from common.config import RunConfig, changed_keys, config_from_dict, config_to_dict, resume_trajectory
 from common.distributed import gather_objects
 
 
@@ -56,7 +56,7 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
             rank: int, world: int, device: torch.device) -> tuple[Path, Progress] | None:
     """Collective. Load the newest valid checkpoint into model, optimizer and scheduler (and this rank's RNG
     when the world size is the same); None if there is none. Every rank must find the same one. Refuses another data manifest, or a config that
-    differs in anything that changes the updates (`common.config.trajectory_config`)."""
+    differs in anything that changes the updates (`common.config.resume_trajectory`)."""
     found = latest_checkpoint(ckpt_dir)
     names = gather_objects(found[0].name if found else None, world)
     if len(set(names)) > 1:  # each rank would resume at another step: different updates, or a hang
@@ -74,13 +74,8 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
     if state["data_manifest_sha256"] != manifest_hash:
         raise IncompatibleInputs(f"checkpoint {path} was trained on a data manifest with sha256 "
                                  f"{state['data_manifest_sha256'][:12]}, {data_desc} has {manifest_hash[:12]}")
-    saved = trajectory_config(config_to_dict(config_from_dict(state["config"])))  # newer keys' defaults filled in
-    current = trajectory_config(config_to_dict(config))
-    for trajectory in (saved, current):  # the same update up to rounding, as another number of ranks: what the
-        trajectory["train"].pop("micro_batch", None)  # memory check asks of a run resumed on smaller GPUs
-        # where the raw text was read from: the rows are the corpus's (in the data's fingerprint, compared above),
-        # and a preempted run resumed where the text is mounted at another path is the same run
-        trajectory["corpus"].pop("source", None)
+    saved = resume_trajectory(config_to_dict(config_from_dict(state["config"])))  # newer keys' defaults filled in
+    current = resume_trajectory(config_to_dict(config))
     if saved != current:
         raise IncompatibleInputs(f"checkpoint {path} was made with another config ({', '.join(changed_keys(saved, current))} "
                                  f"changed); use a new --out")
