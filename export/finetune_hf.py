@@ -78,8 +78,18 @@ def main(argv=None) -> int:
         return 2
     if args.max_train_examples:
         train_texts, train_labels = train_texts[:args.max_train_examples], train_labels[:args.max_train_examples]
-    num_labels = max(train_labels + dev_labels) + 1
+    found = sorted(set(train_labels + dev_labels))
+    if found[0] < 0:  # the classifier's classes are 0..K-1 (the loss's targets)
+        print(f"error: {task}: labels must be 0, 1, ..., found {found[:8]}", file=sys.stderr)
+        return 2
+    num_labels = found[-1] + 1
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"error: --model {args.model} is not a model folder (no config.json): pass what `make export` wrote",
+              file=sys.stderr)
+        return 2
 
+    # the new classifier head's weights are drawn in from_pretrained, before the Trainer seeds: seeded here
+    transformers.set_seed(args.seed)
     # trust_remote_code: the export's model code (our encoder) travels in the folder; the tokenizer reads its config
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, trust_remote_code=True,

@@ -511,10 +511,15 @@ def test_the_hf_trainer_example_fine_tunes_an_export_and_names_bad_task_lines(ex
     task.mkdir()
     for name, rows in (("train.tsv", texts[:16]), ("dev.tsv", texts[16:])):
         (task / name).write_text("sentence\tlabel\n" + "".join(f"{t}\t{int('king' in t.lower())}\n" for t in rows))
-    assert finetune_hf.main(["--model", str(out), "--task", str(task), "--out", str(tmp_path / "ft"),
-                             "--max-steps", "2", "--batch-size", "8"]) == 0
-    summary = json.loads((tmp_path / "ft" / "finetune_hf.json").read_text())
+    summaries = []
+    for run in ("ft", "ft-again"):  # the same --seed, the same run (the new head's init was the process's draw)
+        assert finetune_hf.main(["--model", str(out), "--task", str(task), "--out", str(tmp_path / run),
+                                 "--max-steps", "2", "--batch-size", "8"]) == 0
+        summaries.append(json.loads((tmp_path / run / "finetune_hf.json").read_text()))
+        torch.manual_seed(len(summaries))  # whatever this process drew before
+    summary = summaries[0]
     assert summary["steps"] == 2 and summary["train_examples"] == 16 and 0 <= summary["dev_accuracy"] <= 1
+    assert summaries[1]["train_loss"] == summary["train_loss"] and summaries[1]["dev_loss"] == summary["dev_loss"]
     assert load("AutoModelForSequenceClassification", tmp_path / "ft").num_labels == 2
     capsys.readouterr()
     for content, message in (("", "is empty"), ("sentence\tlabel\n", "has a header but no rows"),
@@ -524,3 +529,9 @@ def test_the_hf_trainer_example_fine_tunes_an_export_and_names_bad_task_lines(ex
         assert finetune_hf.main(["--model", str(out), "--task", str(task), "--out", str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and str(task) in err, (content, err)
+    (task / "train.tsv").write_text("sentence\tlabel\na good day\t1\na bad day\t-1\n")  # classes must be 0..K-1
+    assert finetune_hf.main(["--model", str(out), "--task", str(task), "--out", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err == f"error: {task}: labels must be 0, 1, ..., found [-1, 0, 1]\n"
+    (task / "train.tsv").write_text("sentence\tlabel\na good day\t1\na bad day\t0\n")
+    assert finetune_hf.main(["--model", str(tmp_path / "nonexist"), "--task", str(task), "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --model {tmp_path / 'nonexist'} is not a model folder")
