@@ -322,7 +322,9 @@ def load_masked_lm(path: Path):
         raise HFError(f"{path}: its weights lack {len(missing)} tensor(s) of the model its config.json describes "
                       f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): the weights are cut short "
                       f"or the config.json is another model's (num_hidden_layers?); refusing random values")
-    return model
+    # weights saved in half precision load as such (transformers keeps the config's dtype): the aux model runs in
+    # fp32, under bf16 autocast on a GPU, as our own does (half-precision matmuls on a CPU: 5x slower, other draws)
+    return model.float()
 
 
 class HFMaskedLM(nn.Module):

@@ -382,6 +382,20 @@ def test_a_deberta_in_the_original_head_layout_serves_with_its_own_logits(hf_dir
         assert got.shape == own.shape and (got - own).abs().max() < 1e-5, (got - own).abs().max()
 
 
+def test_a_model_saved_in_half_precision_serves_in_float32_with_the_same_weights(hf_dirs, tmp_path):
+    """transformers loads weights in the dtype their config records: a BERT saved with .half() ran the
+    generator's aux forward in fp16 on a CPU (5x the fp32 time, other draws than the design's fp32)."""
+    from common.hf import load_masked_lm
+    raw, dirs = hf_dirs
+    folder = tmp_path / "half"
+    tok = make_tokenizer("bert", _texts(raw), folder)
+    half = make_model("bert", len(tok), tok.pad_token_id, tmp_path / "full").half()
+    half.save_pretrained(str(folder))
+    loaded = load_masked_lm(folder)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert all(torch.equal(p.float(), q) for p, q in zip(half.parameters(), loaded.parameters()))
+
+
 def _more_layers_in_the_config(folder: Path, dirs) -> str:
     shutil.copytree(dirs["bert"], folder)
     config = json.loads((folder / "config.json").read_text())
