@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from common.aux_record import aux_run_config, run_key
+from common.aux_record import KEY_FORMS, aux_run_config, run_key
 from common.checkpoint import latest_checkpoint, save_aux, save_hf_aux
 from common.config import RunConfig, dump_toml, save_resolved
 from common.corpus import load_corpus_meta
@@ -37,9 +37,10 @@ def train_aux(config: RunConfig, corpus_dir: Path, out_dir: Path, log=print, npr
     """Train (or resume) the aux run in a trainer process, then publish its last checkpoint as aux.pt."""
     corpus_dir, out_dir = Path(corpus_dir).resolve(), Path(out_dir).resolve()
     run_dir = out_dir / f"run-{run_key(config, corpus_dir)}"
-    legacy = out_dir / f"run-{run_key(config, corpus_dir, legacy=True)}"
-    if legacy.is_dir() and not run_dir.exists():  # a run started before the key changed: resumed, not redone
-        legacy.rename(run_dir)
+    for form in KEY_FORMS[1:]:  # a run started before the key changed: resumed, not redone
+        earlier = out_dir / f"run-{run_key(config, corpus_dir, form)}"
+        if earlier.is_dir() and not run_dir.exists():
+            earlier.rename(run_dir)
     if force and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

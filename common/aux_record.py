@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from common.checkpoint import AUX_FILE, read_aux_meta
-from common.config import (NOT_TRAJECTORY, NOT_TRAJECTORY_TRAIN, SCHEDULING_ONLY, RunConfig, TrainConfig,
-                           config_to_dict, trajectory_config)
+from common.config import (NOT_TRAJECTORY, NOT_TRAJECTORY_TRAIN, SCHEDULING_ONLY, AuxConfig, CorpusConfig, RunConfig,
+                           TrainConfig, config_to_dict, trajectory_config)
 from common.corpus import load_corpus_meta
 from common.io import DamagedFile, sha256_file
 from common.sources import CorpusError
@@ -38,16 +38,25 @@ def aux_run_config(config: RunConfig) -> RunConfig:
 RUN_ONLY = ("compile", "attention")
 
 
-def run_key(config: RunConfig, corpus_dir: Path, legacy: bool = False) -> str:
+# The forms the key had, newest first: aux models published under each stay current and their unfinished runs
+# are found ("2026-11-26": the micro-batches and corpus.source still in it; "legacy": before 2026-11-26, all of
+# [generate], the intervals and the RTD loss's weight in it too)
+KEY_FORMS = ("current", "2026-11-26", "legacy")
+
+
+def run_key(config: RunConfig, corpus_dir: Path, form: str = "current") -> str:
     """What the aux run's updates depend on: the composed config's trajectory (`trajectory_config`: not
-    [generate], the aux run's intervals or the RTD loss's weight) and the corpus. `legacy`: the key as it was
-    made before 2026-11-26 (all of [generate], the intervals and the weight in it), by which aux models
-    published then are still current and their unfinished runs still found."""
+    [generate], the aux run's intervals or the RTD loss's weight) and the corpus; not what its resume may change
+    (the micro-batch, where the raw text is: `common.config.RESUME_MAY_CHANGE`), which made a new key, a new aux
+    model and, by its sha256, new shards for the same updates. `form`: one of KEY_FORMS."""
     meta = load_corpus_meta(corpus_dir)
     parts = [p["sha256"] for split in ("train", "valid") for p in meta[split]["parts"]]
     data = config_to_dict(aux_run_config(config))
     data["train"].update({k: getattr(TrainConfig(), k) for k in RUN_ONLY})
-    if legacy:
+    if form == "current":
+        data["train"]["micro_batch"], data["aux"]["micro_batch"] = TrainConfig().micro_batch, AuxConfig().micro_batch
+        data["corpus"]["source"] = CorpusConfig().source
+    if form == "legacy":
         trajectory = {k: v for k, v in data.items() if k not in NOT_TRAJECTORY}
         trajectory["train"] = {k: v for k, v in data["train"].items() if k not in NOT_TRAJECTORY_TRAIN}
         trajectory["generate"] = {k: v for k, v in data["generate"].items() if k not in SCHEDULING_ONLY}
@@ -73,6 +82,5 @@ def aux_is_current(config: RunConfig, corpus_dir: Path, out_dir: Path) -> bool:
                 and sha256_file(out_dir / AUX_FILE) == meta["sha256"])
     return (meta["tokenizer_sha256"] == corpus["tokenizer_sha256"] and meta["num_layers"] == config.aux.num_layers
             and meta["hidden_size"] == config.model.hidden_size and meta.get("steps") == config.aux.steps
-            and meta.get("metrics", {}).get("run_key") in (run_key(config, corpus_dir),
-                                                            run_key(config, corpus_dir, legacy=True))
+            and meta.get("metrics", {}).get("run_key") in {run_key(config, corpus_dir, f) for f in KEY_FORMS}
             and sha256_file(out_dir / AUX_FILE) == meta["sha256"])

@@ -307,17 +307,22 @@ def test_the_aux_model_stays_current_when_only_generation_logging_or_the_main_ru
                                   eps=1e-8, rel_bias_lr_scale=10.0, embed_lr_scale=2.0, lr=3e-3, compile="off",
                                   attention="sdpa"))
     assert aux_is_current(edited, built.corpus_dir, built.aux_dir)
+    # nor what its own resume may change: the micro-batch a memory check asks for, where the raw text is mounted
+    moved = dataclasses.replace(built, aux=dataclasses.replace(built.aux, micro_batch=4),
+                                corpus=dataclasses.replace(built.corpus, source="/mnt/moved/raw"))
+    assert aux_is_current(moved, built.corpus_dir, built.aux_dir)
     # an aux model published before the key left these out (aux.json's key by the former formula) stays current
     import shutil
     from common.aux_record import run_key
     from common.checkpoint import AUX_META
-    legacy = run_key(built, built.corpus_dir, legacy=True)
-    assert legacy != run_key(built, built.corpus_dir)
     old = shutil.copytree(built.aux_dir, tmp_path / "aux-published-before")
     meta = json.loads((old / AUX_META).read_text())
-    meta["metrics"]["run_key"] = legacy
-    (old / AUX_META).write_text(json.dumps(meta))
-    assert aux_is_current(built, built.corpus_dir, old)
+    for form in ("2026-11-26", "legacy"):
+        earlier = run_key(built, built.corpus_dir, form)
+        assert earlier != run_key(built, built.corpus_dir), form
+        meta["metrics"]["run_key"] = earlier
+        (old / AUX_META).write_text(json.dumps(meta))
+        assert aux_is_current(built, built.corpus_dir, old)
     meta["metrics"]["run_key"] = "0" * 12
     (old / AUX_META).write_text(json.dumps(meta))
     assert not aux_is_current(built, built.corpus_dir, old)
@@ -336,7 +341,7 @@ def test_an_aux_run_started_under_the_former_key_is_resumed_not_redone(built, tm
     from common.aux_record import run_key
     aux = tmp_path / "aux"
     shutil.copytree(built.aux_dir, aux)
-    new, legacy = (f"run-{run_key(built, built.corpus_dir, legacy=flag)}" for flag in (False, True))
+    new, legacy = (f"run-{run_key(built, built.corpus_dir, form)}" for form in ("current", "legacy"))
     (aux / new).rename(aux / legacy)
     (aux / AUX_FILE).unlink()
     checkpoints = sorted(p.name for p in (aux / legacy / "checkpoints").iterdir())
