@@ -61,6 +61,7 @@ class RelativePositionBias(nn.Module):
         super().__init__()
         self.num_buckets, self.max_distance, self.locality = num_buckets, max_distance, locality
         self.bias = nn.Embedding(num_buckets, num_heads)
+        self.lookup = None  # as Encoder.lookup: the table's lookup, None: self.bias(buckets)
 
     def bucket_distances(self) -> torch.Tensor:
         """The smallest |relative position| that falls in each bucket (0 for a bucket no distance
@@ -90,7 +91,8 @@ class RelativePositionBias(nn.Module):
         buckets = relative_position_bucket(pos[None, :] - pos[:, None], self.num_buckets, self.max_distance)
         # contiguous: a GPU's fused attention kernels take a bias only with its last dimension at stride 1 (the
         # permuted lookup has stride `heads` there), and otherwise SDPA falls back to its math path
-        return self.bias(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()  # (1, heads, L, L)
+        table = self.bias(buckets) if self.lookup is None else self.lookup(self.bias, buckets)
+        return table.permute(2, 0, 1).unsqueeze(0).contiguous()  # (1, heads, L, L)
 
 
 class EncoderLayer(nn.Module):
@@ -144,13 +146,16 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(num_layers))
         self.ln_final = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.dropout = cfg.dropout
+        # The token lookup as a function of (self.embed, ids), None: self.embed(ids); set for a compiled model by
+        # common.embedding.use_eager_backward (kept out of this file, which imports torch alone)
+        self.lookup = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, drop=None) -> torch.Tensor:
         """`attention_mask`: (B, L), False on padding; None where no row is padded (the caller knows it on the
         host), so the attention bias stays one (1, heads, L, L) for the batch instead of (B, heads, L, L): less
         memory for a large batch, and less for attention to read (docs/design.md, the generator).
         `drop`: per-row dropout in place of the model's own (`EncoderLayer.forward`)."""
-        x = self.ln_embed(self.embed(input_ids))
+        x = self.ln_embed(self.embed(input_ids) if self.lookup is None else self.lookup(self.embed, input_ids))
         x = F.dropout(x, self.dropout, self.training) if drop is None else drop.hidden(x)
         # Additive bias: relative positions, and -inf on padded keys. In the dtype the layers' q and k
         # will have: under bf16 autocast a float32 bias sends SDPA to its slow math path (fp32 matmuls).

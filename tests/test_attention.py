@@ -239,8 +239,10 @@ def test_gpu_kernels_in_bfloat16_against_float64(shape):
 @gpu
 def test_gpu_trainer_update_with_the_kernel_matches_sdpa_and_compiles():
     """The base layer's shape, dropout off: one forward and backward of the detector under bf16 autocast through
-    the kernel and through SDPA, and the kernel's under torch.compile (the trainer's default on a GPU)."""
+    the kernel and through SDPA, and the kernel's under torch.compile (the trainer's default on a GPU, with the
+    token lookup of common/embedding.py, as the trainer compiles it)."""
     from common.config import ModelConfig
+    from common.embedding import use_eager_backward
     from common.model import ReplacedTokenDetector
     cfg = ModelConfig(hidden_size=768, num_heads=12, num_layers=2, ffn_size=3072, dropout=0.0)
     torch.manual_seed(0)
@@ -251,12 +253,14 @@ def test_gpu_trainer_update_with_the_kernel_matches_sdpa_and_compiles():
         model = ReplacedTokenDetector(cfg, 1000).cuda()
         if way != "sdpa":
             assert attention.use_fused(model) == 2
+        if way == "compiled":
+            assert use_eager_backward(model) == 2
         run = torch.compile(model) if way == "compiled" else model
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = run(ids, None)
         logits.float().square().mean().backward()
         results.append((logits.float(), model.encoder.rel_bias.bias.weight.grad.clone(),
-                        model.encoder.layers[0].qkv.weight.grad.clone()))
+                        model.encoder.layers[0].qkv.weight.grad.clone(), model.encoder.embed.weight.grad.clone()))
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             assert float((a - b).norm() / b.norm()) < 3e-2

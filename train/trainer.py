@@ -35,6 +35,7 @@ from common.corpus import CORPUS_META, load_corpus_meta, local_corpus
 from common.tokenizer import Reserved, tokenizer_reserved
 from common.curriculum import masked_count
 from common.distributed import all_max, all_reduce, any_rank, barrier, setup_distributed
+from common.embedding import use_eager_backward
 from common.io import FolderLock, atomic_write_json, atomic_write_text, parse_jsonl, remove_stale_tmp
 from common.storage import is_remote, location
 from common.memory import online_aux_need, peak_rss_bytes, preflight
@@ -349,6 +350,7 @@ def run(args, config: RunConfig, run_dir: Path, rank: int, world: int, device: t
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model  # the one place
     use_compile = compiled(tc.compile, device)
     if use_compile:  # checkpoints and validation use `model` itself: its names stay plain
+        use_eager_backward(model)  # the lookup's backward as ATen's kernel, not Inductor's (common/embedding.py)
         ddp_model = torch.compile(ddp_model)
     is_main, history = rank == 0, progress.history
     if is_main:
