@@ -21,8 +21,13 @@ so nothing has to be prepared at the base shape (12 x 768, aux 4 layers, sequenc
                     model runs it): common/attention.py's kernel, SDPA with an additive bias (common/model.py),
                     FlexAttention (bias as a score modification, compiled) and others; outputs compared
   mfu_sdpa, mfu_compiled_sdpa   mfu and mfu_compiled with `[train] attention = "sdpa"` (the baseline)
+  mfu_compiled_inductor_embedding   mfu_compiled with the token lookup's backward left to Inductor (before
+                    common/embedding.py)
   fused_tiles       common/attention.py's kernels with each tile shape (forward, then backward); the fastest are
                     used by the parts after it
+`--mps`: start a CUDA MPS control daemon of this run's own (its pipe and log folders in a temporary folder)
+before any CUDA work, so this process and the ones it starts (generation_processes) are its clients: their
+kernels may run side by side instead of taking turns on the GPU; stopped at exit, its logs copied to --out.
 Writes bench/results/base-gpu.json and .md (the device's name inside). Needs CUDA (the measures take a
 device: tests/test_bench.py runs them on the CPU at a tiny shape).
 """
@@ -34,7 +39,9 @@ import gc
 import json
 import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,6 +62,7 @@ from common.checkpoint import save_aux
 from common.config import GenerateConfig, load_manifest
 from common.corrupt import Corruptor
 from common.curriculum import masked_count
+from common.embedding import use_eager_backward
 from common.io import atomic_write_json, atomic_write_text
 from common.model import MaskedLM, RelativePositionBias, ReplacedTokenDetector, relative_position_bucket
 from common.optim import build_optimizer, build_scheduler
@@ -212,14 +220,19 @@ def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
 
 
 def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False, compiled: bool = False,
-                device: torch.device = torch.device("cuda"), attention: str = "auto") -> dict:
-    """`compiled`: the same update with the model under torch.compile (`[train] compile`, as the trainer does).
-    `attention`: `[train] attention`, "auto" (the fused kernel where the trainer would take it) or "sdpa"."""
+                device: torch.device = torch.device("cuda"), attention: str = "auto",
+                inductor_embedding: bool = False) -> dict:
+    """`compiled`: the same update with the model under torch.compile (`[train] compile`, as the trainer does,
+    the token lookup's backward through ATen: common/embedding.py). `attention`: `[train] attention`, "auto"
+    (the fused kernel where the trainer would take it) or "sdpa". `inductor_embedding`: compiled, the lookup
+    left to Inductor (before common/embedding.py, for comparison)."""
     tc, V, L = config.train, config.tokenizer.vocab_size, config.corpus.max_seq_len
     torch.manual_seed(0)
     model = ReplacedTokenDetector(config.model, V).to(device)
     if attention == "auto" and device.type == "cuda":  # as train.trainer.build_model does
         fused_attention.use_fused(model)
+    if compiled and not inductor_embedding:  # as train.trainer does before torch.compile
+        use_eager_backward(model)
     optimizer = build_optimizer(model, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.rel_bias_lr_scale, tc.embed_lr_scale)
     scheduler = build_scheduler(optimizer, 10, 10_000)
     update, forward_backward = trainer_update(model, optimizer, scheduler, synthetic_batch(rows, L, V), accum, config,
@@ -234,7 +247,8 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
     flops = update_flops(config, rows * accum)
     kernels = sdpa_kernels(forward_backward)  # the attention of the trainer's own forward and backward
     optimizer.zero_grad(set_to_none=True)
-    return {"sdpa_kernels": kernels, "attention": attention, "fused_tiles": list(current_tiles().values()),
+    return {"sdpa_kernels": kernels, "attention": attention, "inductor_embedding": inductor_embedding,
+            "fused_tiles": list(current_tiles().values()),
             "rows_per_micro_batch": rows, "micro_batches": accum, "tokens_per_update": rows * accum * L,
             "seconds_per_update": seconds, "seconds_per_micro_batch_fwd_bwd": micro,
             "model_flops_per_update": flops, "achieved_flops_per_s": flops / seconds,
@@ -714,8 +728,41 @@ def apply_tiles(tiles: dict) -> None:
         A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES = tiles["best_bwd"]
 
 
-PARTS = ("mfu", "mfu_compiled", "mfu_sdpa", "mfu_compiled_sdpa", "fused_tiles", "efficiency", "generation", "draws",
+PARTS = ("mfu", "mfu_compiled", "mfu_compiled_inductor_embedding", "mfu_sdpa", "mfu_compiled_sdpa", "fused_tiles", "efficiency", "generation", "draws",
          "attention", "generation_processes")
+
+
+def start_mps(folder: Path) -> dict:
+    """A CUDA MPS control daemon for this process and its children (module docstring, `--mps`); what happened,
+    for the results. Must run before this process first uses CUDA."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        return {"started": False, "error": "nvidia-cuda-mps-control is not on PATH"}
+    dirs = {"CUDA_MPS_PIPE_DIRECTORY": folder / "pipe", "CUDA_MPS_LOG_DIRECTORY": folder / "log"}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    os.environ.update({k: str(v) for k, v in dirs.items()})
+    started = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=60)
+    if started.returncode != 0:
+        for k in dirs:
+            del os.environ[k]
+        return {"started": False, "error": f"exit {started.returncode}: {started.stderr.strip()[:500]}"}
+
+    def stop():  # not waited for: the daemon quits once its clients, this process among them, have exited
+        quit_ = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 text=True, start_new_session=True)
+        quit_.stdin.write("quit\n")
+        quit_.stdin.close()
+    import atexit
+    atexit.register(stop)
+    return {"started": True, "folder": str(folder)}
+
+
+def mps_servers() -> str:
+    """The MPS daemon's running servers (their process ids), as its control program answers."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    answer = subprocess.run([exe], input="get_server_list\n", text=True, capture_output=True, timeout=60)
+    return (answer.stdout + answer.stderr).strip()
 
 
 def main(argv=None) -> int:
@@ -736,18 +783,25 @@ def main(argv=None) -> int:
     parser.add_argument("--attention-ways", default="", help="attention: the ways to time, comma-separated (all)")
     parser.add_argument("--profile", action="store_true", help="print the update's GPU time by kernel")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--mps", action="store_true", help="run under a CUDA MPS daemon of its own (docstring)")
     args = parser.parse_args(argv)
     unknown = [part for part in args.only.split(",") if part not in PARTS]
     if unknown:  # said before a GPU's time is spent, not after the other parts
         parser.error(f"--only: unknown part(s) {', '.join(unknown)}; the parts: {', '.join(PARTS)}")
+    mps = start_mps(Path(tempfile.mkdtemp(prefix="bench-gpu-mps-"))) if args.mps else None
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     config = load_manifest(args.manifest)
     name = torch.cuda.get_device_name()
     result = {"device": name, "torch": torch.__version__, "manifest": args.manifest, "cpu_count": os.cpu_count(),
               "machine": machine(), "bf16_peak_flops": bf16_peak(name), "matmul_bf16_flops_per_s": matmul_flops_per_s()}
+    if mps is not None:
+        result["mps"] = mps
     measures = {"mfu": lambda: measure_mfu(config, args.rows, args.accum, args.steps, args.profile),
                 "mfu_compiled": lambda: measure_mfu(config, args.rows, args.accum, args.steps, args.profile, compiled=True),
+                "mfu_compiled_inductor_embedding": lambda: measure_mfu(config, args.rows, args.accum, args.steps,
+                                                                       args.profile, compiled=True,
+                                                                       inductor_embedding=True),
                 "mfu_sdpa": lambda: measure_mfu(config, args.rows, args.accum, args.steps, attention="sdpa"),
                 "mfu_compiled_sdpa": lambda: measure_mfu(config, args.rows, args.accum, args.steps, compiled=True,
                                                          attention="sdpa"),
@@ -766,6 +820,7 @@ def main(argv=None) -> int:
     assert set(measures) == set(PARTS)
     errors = {}
     for part in args.only.split(","):
+        started = time.perf_counter()
         try:  # one part failing (out of memory, a kernel missing) still leaves the others' figures
             result[part] = measures[part]()
         except Exception as e:  # noqa: BLE001 -- reported in the results, and the exit code says so
@@ -774,6 +829,9 @@ def main(argv=None) -> int:
             print(f"bench.gpu: {part} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
             continue
+        result.setdefault("part_seconds", {})[part] = time.perf_counter() - started  # for planning a GPU call
+        if mps is not None and mps["started"]:
+            result["mps"].setdefault("servers_after", {})[part] = mps_servers()
         if part == "fused_tiles":
             apply_tiles(result[part])  # the parts after it run the fastest tiles
         if part.startswith("mfu"):
@@ -786,6 +844,8 @@ def main(argv=None) -> int:
         print(json.dumps({part: result[part]}, indent=1), flush=True)
         write(result, errors, args)  # after every part: a run stopped later keeps what it measured
     write(result, errors, args)
+    if mps is not None and mps["started"]:  # the daemon's own account (clients connected, failures)
+        shutil.copytree(Path(mps["folder"]) / "log", Path(args.out) / "mps-log", dirs_exist_ok=True)
     print(markdown(result, args))
     return 1 if errors else 0
 
@@ -813,6 +873,13 @@ def markdown(r: dict, args) -> str:
         m = r["mfu_compiled"]
         md += [f"| the same update, model under torch.compile (`[train] compile = auto`: the trainer's path on a GPU) | {m['mfu'] or float('nan'):.3f} "
                f"({m['seconds_per_update']:.4f} s/update) | |"]
+    if "mfu_compiled_inductor_embedding" in r:
+        m = r["mfu_compiled_inductor_embedding"]
+        md += [f"| the same, the token lookup's backward left to Inductor (before common/embedding.py) | "
+               f"{m['mfu'] or float('nan'):.3f} ({m['seconds_per_update']:.4f} s/update) | |"]
+    if "mps" in r:
+        md += [f"| CUDA MPS (`--mps`) | " + ("started" if r["mps"]["started"] else f"not started: {r['mps']['error']}")
+               + " | |"]
     for part, what in (("mfu_sdpa", "eager"), ("mfu_compiled_sdpa", "torch.compile")):
         if part in r:
             m = r[part]
@@ -853,14 +920,17 @@ def markdown(r: dict, args) -> str:
     if "generation" in r and len(r["generation"].get("gen_vs_forward_by_depth", {})) > 1:
         md += [f"| generation / aux forward, {d} shards in flight | {x:.3f} | |"
                for d, x in r["generation"]["gen_vs_forward_by_depth"].items()]
-    if "generation_processes" in r:
-        forward = r.get("generation", {}).get("forward_tokens_per_s")
-        md += [f"| generation, {n} processes sharing the GPU (actors), 2 shards in flight each: tokens/s"
+    for key, how, same_run in (("generation_processes", "", "generation"),
+                               ("generation_processes_mps", ", under CUDA MPS", "generation_mps")):
+        if key not in r:
+            continue  # a merged file (base-gpu.json) keeps the MPS run's own forward beside its processes
+        forward = r.get(same_run, r.get("generation", {})).get("forward_tokens_per_s")
+        md += [f"| generation, {n} processes sharing the GPU (actors){how}, 2 shards in flight each: tokens/s"
                + (" (/ aux forward)" if forward else "") + f" | {x['tokens_per_s']:.0f}"
                + (f" ({x['tokens_per_s'] / forward:.3f})" if forward else "")
                + (f"; steady {x['steady_tokens_per_s']:.0f}" if x.get("steady_tokens_per_s") else "")
                + (f" ({x['steady_tokens_per_s'] / forward:.3f})" if forward and x.get("steady_tokens_per_s") else "")
-               + " | >= 0.85 |" for n, x in r["generation_processes"].items()]
+               + " | >= 0.85 |" for n, x in r[key].items()]
     if "draws" in r:
         d = r["draws"]
         md += [f"| one chunk's draw, {d['positions']} x {d['vocab']}: step by step / compiled by blocks (ms) | "

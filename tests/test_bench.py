@@ -1,6 +1,7 @@
 """Benchmark results carry docs/design.md's key names (the contract other tools read)."""
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -179,12 +180,22 @@ def test_bench_gpu_refuses_an_unknown_part_before_it_needs_the_gpu(capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert "unknown part(s) mfu_compield" in err and "generation_processes" in err
-    text = " ".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    text = " ".join(p.read_text() for p in [*(ROOT / "docs").glob("*.md"), ROOT / "bench" / "gpu-call.sh"])
     named = re.findall(r"--only\s+([a-z_]+(?:,\s*[a-z_]+)*)", text)
     assert len(named) >= 4, named
     parts = {part.strip() for m in named for part in m.split(",")}
     assert parts <= set(gpu.PARTS), parts - set(gpu.PARTS)
     assert {"mfu_compiled", "mfu_compiled_sdpa", "generation_processes"} <= parts
+
+
+def test_bench_gpu_mps_without_its_control_program_says_so_and_leaves_the_environment(tmp_path, monkeypatch):
+    """`--mps` where nvidia-cuda-mps-control is not on PATH (this machine): not started, the reason recorded,
+    and no MPS folder left in the environment for the CUDA work that follows."""
+    from bench import gpu
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    assert gpu.start_mps(tmp_path / "mps") == {"started": False, "error": "nvidia-cuda-mps-control is not on PATH"}
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
 
 
 def test_bench_gpu_counts_the_aux_forward_as_generation_runs_it(tmp_path):
