@@ -21,8 +21,8 @@ so nothing has to be prepared at the base shape (12 x 768, aux 4 layers, sequenc
                     model runs it): common/attention.py's kernel, SDPA with an additive bias (common/model.py),
                     FlexAttention (bias as a score modification, compiled) and others; outputs compared
   mfu_sdpa, mfu_compiled_sdpa   mfu and mfu_compiled with `[train] attention = "sdpa"` (the baseline)
-  mfu_compiled_inductor_embedding   mfu_compiled with the token lookup's backward left to Inductor (before
-                    common/embedding.py)
+  mfu_compiled_inductor_embedding   mfu_compiled with the table lookups' backward (tokens, relative positions)
+                    left to Inductor (before common/embedding.py)
   fused_tiles       common/attention.py's kernels with each tile shape (forward, then backward); the fastest are
                     used by the parts after it
 `--mps`: start a CUDA MPS control daemon of this run's own (its pipe and log folders in a temporary folder)
@@ -728,8 +728,8 @@ def apply_tiles(tiles: dict) -> None:
         A.BWD_BLOCK_M, A.BWD_BLOCK_N, A.BWD_WARPS, A.BWD_STAGES = tiles["best_bwd"]
 
 
-PARTS = ("mfu", "mfu_compiled", "mfu_compiled_inductor_embedding", "mfu_sdpa", "mfu_compiled_sdpa", "fused_tiles", "efficiency", "generation", "draws",
-         "attention", "generation_processes")
+PARTS = ("mfu", "mfu_compiled", "mfu_compiled_inductor_embedding", "mfu_sdpa", "mfu_compiled_sdpa", "fused_tiles",
+         "efficiency", "generation", "draws", "attention", "generation_processes")
 
 
 def start_mps(folder: Path) -> dict:
@@ -741,11 +741,15 @@ def start_mps(folder: Path) -> dict:
     dirs = {"CUDA_MPS_PIPE_DIRECTORY": folder / "pipe", "CUDA_MPS_LOG_DIRECTORY": folder / "log"}
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
+    before = {k: os.environ.get(k) for k in dirs}
     os.environ.update({k: str(v) for k, v in dirs.items()})
     started = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=60)
-    if started.returncode != 0:
-        for k in dirs:
-            del os.environ[k]
+    if started.returncode != 0:  # the environment as it was: a daemon of the machine's own stays reachable
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         return {"started": False, "error": f"exit {started.returncode}: {started.stderr.strip()[:500]}"}
 
     def stop():  # not waited for: the daemon quits once its clients, this process among them, have exited
@@ -875,7 +879,7 @@ def markdown(r: dict, args) -> str:
                f"({m['seconds_per_update']:.4f} s/update) | |"]
     if "mfu_compiled_inductor_embedding" in r:
         m = r["mfu_compiled_inductor_embedding"]
-        md += [f"| the same, the token lookup's backward left to Inductor (before common/embedding.py) | "
+        md += [f"| the same, the table lookups' backward left to Inductor (before common/embedding.py) | "
                f"{m['mfu'] or float('nan'):.3f} ({m['seconds_per_update']:.4f} s/update) | |"]
     if "mps" in r:
         md += [f"| CUDA MPS (`--mps`) | " + ("started" if r["mps"]["started"] else f"not started: {r['mps']['error']}")
@@ -946,6 +950,8 @@ def markdown(r: dict, args) -> str:
                for way in ATTENTION_WAYS if way + "_fwd_bwd_ms" in a or way + "_error" in a]
         md += [f"| fastest way computing the model's function | {a.get('fastest_same_function', '?')} | |"]
     md += [f"| {part} failed | {err} | |" for part, err in r.get("errors", {}).items()]
+    if r.get("parts_from"):  # a file merged from several calls (base-gpu.json): where each part was measured
+        md += ["", "Parts from several calls: " + "; ".join(f"{k}: {v}" for k, v in r["parts_from"].items()) + "."]
     return "\n".join(md)
 
 

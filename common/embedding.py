@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model import Encoder, RelativePositionBias
+
 
 @torch.library.custom_op("fast_electra::embedding_backward", mutates_args=())
 def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
@@ -55,14 +57,15 @@ embedding.register_autograd(_backward, setup_context=_setup)
 def lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """`table(ids)` through the custom ops (an `Encoder.lookup`)."""
     if table.max_norm is not None or table.scale_grad_by_freq or table.sparse:
-        raise ValueError("the custom-op lookup covers a plain nn.Embedding only (no max_norm, scale_grad_by_freq, sparse)")
+        raise ValueError("the custom-op lookup covers a plain nn.Embedding only "
+                         "(no max_norm, scale_grad_by_freq, sparse)")
     return embedding(table.weight, ids, -1 if table.padding_idx is None else table.padding_idx)
 
 
 def use_eager_backward(model: nn.Module) -> int:
     """Route every table lookup of `model`'s encoders (tokens, relative-position buckets) through `lookup`
     (for a model about to be compiled). Returns how many modules take it."""
-    modules = [m for m in model.modules() if hasattr(m, "lookup")]
+    modules = [m for m in model.modules() if isinstance(m, (Encoder, RelativePositionBias))]
     for module in modules:
         module.lookup = lookup
     return len(modules)

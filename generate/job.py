@@ -85,7 +85,7 @@ class ShardActor:
                   "host_need": host, "host_free": free, "host_source": source, "gpu": None, "device_need": device}
         if self.device == "cuda":
             report.update(gpu=str(ray.get_gpu_ids()[0]), device_free=float(torch.cuda.mem_get_info()[0]),
-                          device_source=f"free memory of {torch.cuda.get_device_name()}", mps=mps_running())
+                          device_source=f"free memory of {torch.cuda.get_device_name()}")
         return report
 
     def run(self, task: ShardTask) -> dict:
@@ -242,32 +242,6 @@ def memory_problem(reports: list[dict], batch_tokens: int, actors_per_gpu: int, 
     return None
 
 
-def mps_running(environ=os.environ) -> bool:
-    """Whether a CUDA MPS control daemon serves this machine: its control socket, in CUDA_MPS_PIPE_DIRECTORY
-    or the daemon's default folder, is there (a client started now would connect to it)."""
-    import stat
-    control = Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
-    try:
-        return stat.S_ISSOCK(control.stat().st_mode)
-    except OSError:
-        return False
-
-
-def mps_note(reports: list[dict], actors_per_gpu: int) -> str | None:
-    """A note where several actors share a GPU on machines without CUDA MPS, from the actors' `memory` reports
-    (None where no GPU is shared or every sharing machine runs MPS). Without MPS the processes take turns on
-    the GPU; with it their kernels run side by side (docs/design.md, the generator; docs/benchmarks.md)."""
-    if actors_per_gpu < 2:
-        return None
-    hosts = sorted({r["host"] for r in reports if r.get("gpu") is not None and not r.get("mps")})
-    if not hosts:
-        return None
-    named = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
-    return (f"generate: note: {actors_per_gpu} actors share each GPU on {named} without CUDA MPS, so they take "
-            f"turns on it; started before the run on each machine (`nvidia-cuda-mps-control -d`), MPS runs their "
-            f"kernels side by side: 1.12x the tokens/s with 4 actors on an H200 (docs/design.md, the generator)")
-
-
 def wait_until_placed(actors: list, options: dict, note_after: float = 60.0) -> None:
     """Wait for every actor to hold its aux model. Ray waits for resources it lacks (an autoscaling cluster's
     nodes may still come), saying so at most in its autoscaler's terms: say how many wait and why, every
@@ -319,8 +293,6 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
                                  os.environ.get(MEMORY_ENV))
         if problem:
             raise ConfigError(problem)
-        if note := mps_note([r for r in reports if r], actors_per_gpu):
-            print(note, flush=True)
         tokens, t0 = 0, time.time()
         bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)
         # one slot per task in flight, taken in turn: the first tasks (the validation shard, epoch 0's first

@@ -188,14 +188,22 @@ def test_bench_gpu_refuses_an_unknown_part_before_it_needs_the_gpu(capsys):
     assert {"mfu_compiled", "mfu_compiled_sdpa", "generation_processes"} <= parts
 
 
-def test_bench_gpu_mps_without_its_control_program_says_so_and_leaves_the_environment(tmp_path, monkeypatch):
-    """`--mps` where nvidia-cuda-mps-control is not on PATH (this machine): not started, the reason recorded,
-    and no MPS folder left in the environment for the CUDA work that follows."""
+def test_bench_gpu_mps_that_does_not_start_says_why_and_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    """`--mps` where nvidia-cuda-mps-control is not on PATH, or where it fails (a stand-in program that exits 1):
+    not started, the reason recorded, and the MPS folders of the environment as they were before (a daemon of
+    the machine's own stays reachable for the CUDA work that follows)."""
     from bench import gpu
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/the/machine's/pipe")
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
     assert gpu.start_mps(tmp_path / "mps") == {"started": False, "error": "nvidia-cuda-mps-control is not on PATH"}
-    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\necho \"An instance of this daemon is already running\" >&2\nexit 1\n")
+    control.chmod(0o755)
+    started = gpu.start_mps(tmp_path / "mps")
+    assert started == {"started": False, "error": "exit 1: An instance of this daemon is already running"}, started
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == "/the/machine's/pipe"
+    assert "CUDA_MPS_LOG_DIRECTORY" not in os.environ
 
 
 def test_bench_gpu_counts_the_aux_forward_as_generation_runs_it(tmp_path):

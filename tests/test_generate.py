@@ -376,35 +376,6 @@ def test_actors_memory_is_checked_per_gpu_and_per_machine():
         "5 fit there: set [generate] actors_per_gpu = 1 (now 2)")
 
 
-def test_actors_sharing_a_gpu_without_mps_get_a_note_naming_the_machines(tmp_path):
-    """`generate.job.mps_note` from the actors' reports: GPUs shared on machines whose actors found no MPS
-    control socket are named; one actor a GPU, CPU actors, or MPS everywhere: no note. `mps_running` looks
-    for the socket in CUDA_MPS_PIPE_DIRECTORY (a file of that name is not one)."""
-    import socket as sockets
-    from generate.job import mps_note, mps_running
-    gib = 2**30
-    gpus = [{**_report(node, gib, 64 * gib, str(k), gib, 20 * gib), "mps": node == "b"} for node in "ab" for k in range(2)]
-    note = mps_note(gpus, 4)
-    assert note.startswith("generate: note: 4 actors share each GPU on host-a without CUDA MPS"), note
-    assert "host-b" not in note and "nvidia-cuda-mps-control -d" in note
-    assert mps_note(gpus, 1) is None and mps_note([_report("a", gib, 64 * gib)], 4) is None
-    assert mps_note([{**r, "mps": True} for r in gpus], 4) is None
-    many = [{**_report(f"n{k}", gib, 64 * gib, "0", gib, 20 * gib), "mps": False} for k in range(5)]
-    assert "on host-n0, host-n1, host-n2 and 2 more without" in mps_note(many, 2)
-    pipe = tmp_path / "pipe"
-    pipe.mkdir()
-    assert not mps_running({"CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
-    (pipe / "control").write_text("")
-    assert not mps_running({"CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
-    (pipe / "control").unlink()
-    server = sockets.socket(sockets.AF_UNIX)
-    try:
-        server.bind(str(pipe / "control"))
-        assert mps_running({"CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
-    finally:
-        server.close()
-
-
 @pytest.mark.slow
 def test_generation_that_would_not_fit_stops_before_any_shard_with_one_line(built, tmp_path, env_with_repo):
     """The real CLI, two CPU actors on this machine whose RAM (FAST_ELECTRA_MEMORY_BYTES, read by the driver)
