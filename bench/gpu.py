@@ -183,7 +183,7 @@ def sdpa_kernels(fn) -> list[str]:
     from torch.profiler import ProfilerActivity
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    names = ("aten::_scaled_dot_product", "fast_electra::")
+    names = ("aten::_scaled_dot_product", "fast_electra::attention")
     return sorted({e.key for e in prof.key_averages() if e.key.startswith(names)})
 
 

@@ -210,6 +210,7 @@ def test_the_fused_kernel_takes_gpu_training_calls_only():
     assert torch.equal(a, b)
     q = torch.zeros(1, 2, 16, 16)
     assert not attention.applies(q, torch.zeros(1, 2, 16, 16, requires_grad=True))  # CPU
+    assert not attention.applies(q, torch.zeros(1, 2, 16, 16))  # CPU, a bias without a gradient
     if torch.cuda.is_available() and attention.available():
         qc = q.cuda().bfloat16()
         assert attention.applies(qc, torch.zeros(1, 2, 16, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True))
