@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from common.checkpoint import AUX_FILE, AUX_META, IncompatibleInputs, read_aux_meta, safe_load
@@ -423,3 +424,37 @@ def test_the_corpus_stage_never_replaces_a_folder_that_is_no_corpus(built, tmp_p
     assert corpus_main([*source, "--out", ".", "--workers", "1"]) == 0
     ours, reference = load_corpus_meta(empty), load_corpus_meta(built.corpus_dir)
     assert (ours["train"], ours["valid"]) == (reference["train"], reference["valid"])
+
+
+def test_a_shard_read_that_fails_once_is_tried_again_and_one_that_keeps_failing_is_damage(generated, monkeypatch,
+                                                                                         capsys):
+    """A read error of the kind a network or file server gives (OSError) once: the rows as read without it, the
+    failure said on stderr; on every try: the shard named as damaged after READ_TRIES tries. Opening the
+    shard's footer likewise."""
+    import pyarrow.parquet as pq
+    from train import data as train_data
+    _, data, _ = generated
+    manifest = json.loads((data / "manifest.json").read_text())
+    expected = train_data.training_stream(data, manifest).rows(0, 40)
+    monkeypatch.setattr(train_data, "READ_BACKOFF_S", 0.0)
+    real_read, real_open = pq.ParquetFile.read_row_group, train_data.open_parquet
+    failures = {"read": 1, "open": 1}
+
+    def flaky(kind, real):
+        def call(*args, **kwargs):
+            if failures[kind] > 0:
+                failures[kind] -= 1
+                raise OSError("AWS Error NETWORK_CONNECTION during GetObject operation: Timeout was reached")
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", flaky("read", real_read))
+    monkeypatch.setattr(train_data, "open_parquet", flaky("open", real_open))
+    got = train_data.training_stream(data, manifest).rows(0, 40)
+    assert failures == {"read": 0, "open": 0}
+    assert all(np.array_equal(a, b) for a, b in zip(got["input_ids"], expected["input_ids"]))
+    assert np.array_equal(got["stream_index"], expected["stream_index"]) and len(got["input_ids"]) == 40
+    assert capsys.readouterr().err.count("failed (OSError: AWS Error NETWORK_CONNECTION") == 2
+    failures["read"] = train_data.READ_TRIES
+    with pytest.raises(train_data.DataError, match=r"shard-\d+\.parquet: row group 0 .* is damaged: OSError"):
+        train_data.training_stream(data, manifest).rows(0, 40)
+    assert failures["read"] == 0

@@ -279,3 +279,43 @@ def test_sigterm_during_an_update_while_the_next_read_waits_for_the_generator_st
     assert time.time() - t0 < args.follow_timeout / 2  # the run itself: ~2 s; the wait it no longer makes: 60 s
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{steps:08d}.pt"]
     assert not (tmp_path / ".run.lock").exists()
+
+
+def _open_on_rank(rank: int, store: str, manifest: str, data: str, results) -> None:
+    """One of two gloo ranks opening the shards as the trainer does (`train.trainer.open_streams`, following)."""
+    import argparse
+    import torch
+    import torch.distributed as dist
+    from common.config import load_manifest
+    from train.trainer import open_streams
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        args = argparse.Namespace(data=data, follow=True, follow_timeout=30.0, follow_pid=0)
+        stream = open_streams(load_manifest(manifest), args, torch.device("cpu"))[0]
+        results.put((rank, getattr(stream, "follower", None) is not None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_see_the_folder_differently_all_follow_it(generated, tmp_path):
+    """A generator (re)started beside the ranks removes manifest.json while it checks the shards: rank 0 still
+    sees it, rank 1 no longer does. Both then read the folder as followed (their collectives differ between the
+    two ways: with verify_shards one all-reduces where the other waits at a barrier)."""
+    import multiprocessing
+    manifest, data, _ = generated
+    unfinished = tmp_path / "epochs"  # the same shards, as rank 1 sees the folder
+    shutil.copytree(data, unfinished)
+    (unfinished / "manifest.json").unlink()
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_open_on_rank, args=(rank, str(tmp_path / "store"), str(manifest), str(folder),
+                                                        results))
+             for rank, folder in ((0, data), (1, unfinished))]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert sorted(results.get(timeout=5) for _ in procs) == [(0, True), (1, True)]

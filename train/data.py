@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -224,13 +225,17 @@ def generation_difference(made_with: dict, config: RunConfig, most: int = 4) -> 
     return "; ".join(differ[:most]) + (f"; {len(differ) - most} more" if len(differ) > most else "")
 
 
-def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, generator_pid: int = 0) -> dict:
+def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, generator_pid: int = 0,
+              finished: bool | None = None) -> dict:
     """The trainer's view of a shard folder: the training and validation streams, the replaced-token prior and
     the data fingerprint. A finished folder is read by its manifest; with `follow` (a timeout in seconds) a
     folder still being generated is read by its plan, each shard once its record is written. Both give the
     same prior (the replaced fraction of the shards of the first global batch, from their records) and the
-    same fingerprint (`common.shards.stream_fingerprint`), so a followed run is the run on the finished folder."""
-    finished = (location(data_dir) / MANIFEST_FILE).is_file()
+    same fingerprint (`common.shards.stream_fingerprint`), so a followed run is the run on the finished folder.
+    `finished`: whether the folder is read as finished, as the ranks agreed (`train.trainer.open_streams`);
+    None: whether its manifest is there now."""
+    if finished is None:
+        finished = (location(data_dir) / MANIFEST_FILE).is_file()
     if finished or not follow:
         manifest, fingerprint = load_data_manifest(data_dir, config)
         follower = Follower(data_dir, 0.0)
@@ -332,6 +337,27 @@ class Shard:
     name: str = ""  # its path in the folder (the key of its record)
 
 
+# A shard read that fails is tried again before the shard is called damaged: on object storage or a shared
+# filesystem a timeout or a server's failover fails one read, and damage would stop every rank of the job
+READ_TRIES, READ_BACKOFF_S = 4, 0.5
+
+
+def retried(read, what: str):
+    """`read()`, tried up to READ_TRIES times in all where it fails with an OSError (what pyarrow raises for
+    I/O, a network's or a file server's included), with doubling pauses (0.5, 1, 2 s), each failure said on
+    stderr; the last one raised. Other errors (a wrong schema, bytes that are no Parquet) at once."""
+    for attempt in range(READ_TRIES):
+        try:
+            return read()
+        except OSError as e:
+            if attempt == READ_TRIES - 1:
+                raise
+            pause = READ_BACKOFF_S * 2**attempt
+            print(f"train: reading {what} failed ({type(e).__name__}: {str(e)[:200]}); trying again in {pause:g} s",
+                  file=sys.stderr, flush=True)
+            time.sleep(pause)
+
+
 class ShardStream:
     """Random access to rows [start, stop) of a stream of shards, read a row group at a time (the few
     last ones cached). `bytes_read` / `bytes_decompressed`: what this stream has read from disk (column
@@ -396,10 +422,12 @@ class ShardStream:
         shard = self.shards[k]
         if shard.bytes is None:
             self._arrived(k)
-        try:
+        def open_shard():
             source, footer = remote_parquet(shard.path, self._count) if is_remote(shard.path) else (None, None)
-            file = open_parquet(shard.path, SHARD_SCHEMA, source, footer)
-        except Exception as e:  # noqa: BLE001 - any unreadable footer or schema is damage
+            return open_parquet(shard.path, SHARD_SCHEMA, source, footer)
+        try:
+            file = retried(open_shard, shard.path)
+        except Exception as e:  # noqa: BLE001 - any footer or schema unreadable after the tries is damage
             raise DataError(f"{shard.path} is damaged: {type(e).__name__}: {e}; run `make generate-epochs` "
                             f"(it redoes damaged shards), then train with --resume") from None
         meta = file.metadata
@@ -418,13 +446,24 @@ class ShardStream:
             self._cache.move_to_end(key)
             return self._cache[key]
         shard = self.shards[k]
-        file, starts = self._file(k)
+        starts = self._file(k)[1]  # the row groups' first rows (the shard opened, or a DataError)
+
+        def read():
+            file, _ = self._file(k)
+            try:
+                return file.read_row_group(g)
+            except Exception:
+                self._files.pop(k, None)  # opened again for the next try: a reader that failed may not read again
+                raise
         try:
-            table = file.read_row_group(g)
-        except Exception as e:  # noqa: BLE001 - a page whose CRC32 or encoding is wrong
+            table = retried(read, f"{shard.path} row group {g}")
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a page whose CRC32 or encoding is wrong, after the tries
             raise DataError(f"{shard.path}: row group {g} (rows {shard.start + starts[g]}..{shard.start + starts[g + 1] - 1} "
                             f"of the stream) is damaged: {type(e).__name__}: {e}; run `make generate-epochs` (it "
                             f"redoes damaged shards), then train with --resume") from None
+        file = self._file(k)[0]
         group = file.metadata.row_group(g)
         self.bytes_read += sum(group.column(c).total_compressed_size for c in range(group.num_columns))
         self.bytes_decompressed += group.total_byte_size
