@@ -319,3 +319,58 @@ def test_ranks_that_see_the_folder_differently_all_follow_it(generated, tmp_path
         proc.join(timeout=120)
     assert [proc.exitcode for proc in procs] == [0, 0]
     assert sorted(results.get(timeout=5) for _ in procs) == [(0, True), (1, True)]
+
+
+def test_a_followed_shard_missing_or_cut_short_is_named_with_the_remedy(generated, tmp_path):
+    """A shard the generator's log records but whose file is gone (removed by hand) or of another size: one
+    error naming the file, what is wrong and what to run (was: "has None bytes")."""
+    from train.data import DataError, open_data
+    from common.config import load_manifest
+    manifest, data, _ = generated
+    config = load_manifest(manifest)
+    followed = tmp_path / "epochs"
+    shutil.copytree(data, followed)
+    (followed / "manifest.json").unlink()
+    first = sorted(r["path"] for r in _records(data) if r["path"].startswith("epoch-000/"))[0]
+    (followed / first).unlink()
+    stream = open_data(followed, config, follow=5.0, log=lambda _: None)["train"]
+    with pytest.raises(DataError, match=rf"{first} is missing, though the generator's log records it \(\d+ bytes\): "
+                                        r"run `make generate-epochs`"):
+        stream.rows(0, 8)
+    shutil.copy(data / first, followed / first)
+    with open(followed / first, "ab") as f:
+        f.write(b"\0")
+    stream = open_data(followed, config, follow=5.0, log=lambda _: None)["train"]
+    with pytest.raises(DataError, match=rf"{first} has \d+ bytes, its record in the generator's log says \d+: run"):
+        stream.rows(0, 8)
+
+
+def test_shards_whose_row_groups_exceed_a_ranks_share_are_noted_where_several_ranks_read_them(generated, tmp_path):
+    """tiny's shards are one row group each: with 2 ranks each would read the other's rows too, which the
+    trainer says at start (naming the setting); one rank, or row groups within a rank's share: no note. The
+    followed folder (its plan has no config) says the same from the run's own [generate]."""
+    from common.config import load_manifest
+    from train.data import open_data
+    manifest, data, _ = generated
+    config = load_manifest(manifest)
+    for folder, follow in ((data, 0.0), (tmp_path / "epochs", 5.0)):
+        if follow:
+            shutil.copytree(data, folder)
+            (folder / "manifest.json").unlink()
+        notes = []
+        open_data(folder, config, follow, log=notes.append, world=2)
+        said = [n for n in notes if "row groups hold" in n]
+        share = config.train.batch_size // 2
+        assert len(said) == 1 and f"more than a rank's {share:,} of a batch" in said[0], notes
+        assert "rows_per_row_group dividing" in said[0]
+        notes.clear()
+        open_data(folder, config, follow, log=notes.append, world=1)
+        assert not [n for n in notes if "row groups hold" in n]
+    small = tmp_path / "small"  # a finished folder whose generation set 4-row groups (its manifest says so)
+    shutil.copytree(data, small)
+    made = json.loads((small / "manifest.json").read_text())
+    made["config"]["generate"]["rows_per_row_group"] = 4
+    (small / "manifest.json").write_text(json.dumps(made))
+    notes = []
+    open_data(small, config, 0.0, log=notes.append, world=2)
+    assert not [n for n in notes if "row groups hold" in n], notes

@@ -9,6 +9,7 @@ positions of each row group, before a row of it is used.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import io
 import json
 import sys
@@ -226,14 +227,15 @@ def generation_difference(made_with: dict, config: RunConfig, most: int = 4) -> 
 
 
 def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, generator_pid: int = 0,
-              finished: bool | None = None) -> dict:
+              finished: bool | None = None, world: int = 1) -> dict:
     """The trainer's view of a shard folder: the training and validation streams, the replaced-token prior and
     the data fingerprint. A finished folder is read by its manifest; with `follow` (a timeout in seconds) a
     folder still being generated is read by its plan, each shard once its record is written. Both give the
     same prior (the replaced fraction of the shards of the first global batch, from their records) and the
     same fingerprint (`common.shards.stream_fingerprint`), so a followed run is the run on the finished folder.
     `finished`: whether the folder is read as finished, as the ranks agreed (`train.trainer.open_streams`);
-    None: whether its manifest is there now."""
+    None: whether its manifest is there now. `world`: the ranks that will share each batch (a note where the
+    shards' row groups are larger than a rank's share: every rank then reads rows of the others)."""
     if finished is None:
         finished = (location(data_dir) / MANIFEST_FILE).is_file()
     if finished or not follow:
@@ -259,6 +261,14 @@ def open_data(data_dir, config: RunConfig, follow: float = 0.0, log=print, gener
         # records this manifest's [generate], not what made the data
         log(f"train: note: the shards in {data_dir} were made with other settings than this manifest's "
             f"({differ}); the run reads them as they are")
+    # the generation's own settings (a followed folder's plan has none: its key matched this config's)
+    made = manifest.get("config", {}).get("generate") or dataclasses.asdict(config.generate)
+    group, share = made.get("rows_per_row_group") or made.get("rows_per_shard"), config.train.batch_size // world
+    if world > 1 and group and share and group > share:
+        log(f"train: note: the shards' row groups hold {group:,} rows, more than a rank's {share:,} of a batch: "
+            f"each of the {world} ranks reads and decompresses rows of the others (up to "
+            f"{min(world, -(-group // share))}x its own); shards made with [generate] rows_per_row_group dividing "
+            f"{share:,} are read a rank's share each (base and large: 64)")
     train_shards = [s for e in manifest["epochs"] for s in e["shards"]]
     first, rows = [], 0
     for shard in train_shards:  # the shards holding the first global batch
@@ -398,9 +408,13 @@ class ShardStream:
         shard = self.shards[k]
         record = self.follower.record(shard.name)
         shard.bytes, shard.sha256 = record["bytes"], record["sha256"]
-        got = shard.path.stat().st_size if shard.path.is_file() else None
-        if got != shard.bytes:
-            raise DataError(f"{shard.path} has {got} bytes, its record in the generator's log says {shard.bytes}")
+        remedy = "run `make generate-epochs` (it redoes missing and damaged shards), then train with --resume"
+        if not shard.path.is_file():
+            raise DataError(f"{shard.path} is missing, though the generator's log records it ({shard.bytes} bytes): "
+                            f"{remedy}")
+        if (got := shard.path.stat().st_size) != shard.bytes:
+            raise DataError(f"{shard.path} has {got} bytes, its record in the generator's log says {shard.bytes}: "
+                            f"{remedy}")
         if self.verify_arrivals and hashed_by(shard.start, shard.rows, k, *self.verify_arrivals[1:]) == \
                 self.verify_arrivals[0] and (digest := sha256_file(shard.path)) != shard.sha256:
             raise DataError(f"{shard.path} has sha256 {digest[:12]}, its record says {shard.sha256[:12]}")

@@ -120,11 +120,12 @@ def open_streams(config: RunConfig, args, device: torch.device, aux_loaded=None)
         quiet = int(os.environ.get("RANK", "0")) != 0
         # finished or followed, the same way on every rank: a generator (re)started beside the ranks removes the
         # manifest while it checks the shards, and ranks that differ here differ in their collectives later
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         finished = (location(data_dir) / MANIFEST_FILE).is_file()
         if follow:
-            finished = not any_rank(not finished, int(os.environ.get("WORLD_SIZE", "1")))
+            finished = not any_rank(not finished, world)
         data = open_data(data_dir, config, follow, log=(lambda _: None) if quiet else tqdm.write,
-                         generator_pid=getattr(args, "follow_pid", 0) or 0, finished=finished)
+                         generator_pid=getattr(args, "follow_pid", 0) or 0, finished=finished, world=world)
         manifest = data["manifest"]
         return (data["train"], data["valid"], manifest["vocab_size"], data["prior"], data["fingerprint"], data_dir,
                 manifest.get("tokenizer_sha256", ""))
