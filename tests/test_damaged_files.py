@@ -458,3 +458,25 @@ def test_a_shard_read_that_fails_once_is_tried_again_and_one_that_keeps_failing_
     with pytest.raises(train_data.DataError, match=r"shard-\d+\.parquet: row group 0 .* is damaged: OSError"):
         train_data.training_stream(data, manifest).rows(0, 40)
     assert failures["read"] == 0
+
+
+@pytest.mark.slow  # the session's generated folder (Ray)
+@pytest.mark.parametrize("edit, said", [
+    (lambda m: m["epochs"][0]["shards"][1].pop("rows"), "shard 1 of epoch 0: 'rows' None"),
+    (lambda m: m["valid"]["shards"].__setitem__(0, "valid/shard-00000.parquet"), "shard 0 of valid: is no object"),
+    (lambda m: m["epochs"][0]["shards"][0].update(bytes="12"), "shard 0 of epoch 0: 'bytes' '12'"),
+    (lambda m: m["epochs"].__setitem__(0, []), "'epochs' is not a list of epochs")])
+def test_a_manifest_whose_shard_entries_are_wrong_stops_the_trainer_with_one_line(generated, tmp_path, capsys, edit,
+                                                                                  said):
+    """A hand-edited or foreign manifest.json whose shard lists parse but are wrong: one line naming the file,
+    the entry and the remedy (was a KeyError traceback)."""
+    from train.__main__ import main as train_main
+    manifest, data, _ = generated
+    copy = shutil.copytree(data, tmp_path / "epochs")
+    made = json.loads((copy / MANIFEST_FILE).read_text())
+    edit(made)
+    (copy / MANIFEST_FILE).write_text(json.dumps(made))
+    assert train_main(["--manifest", str(manifest), "--data", str(copy), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {copy / MANIFEST_FILE}: {said}") and err.count("\n") == 1, err
+    assert "make generate-epochs" in err, err

@@ -54,8 +54,33 @@ def load_data_manifest(data_dir, config: RunConfig) -> tuple[dict, str]:
         raise DataError(f"{path} does not exist: generate the folder (`make generate-epochs DATA={data_dir}`, or "
                         f"`python -m generate --out {data_dir}`; an unfinished generation has no manifest)")
     manifest = read_json(path, ("vocab_size", "max_seq_len", "schema", "epochs", "valid"), REGENERATE)
+    if problem := shard_entries_problem(manifest):
+        raise DataError(f"{path}: {problem}; {REGENERATE}")
     check_data(manifest, data_dir, config)
     return manifest, data_fingerprint(manifest)
+
+
+def shard_entries_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest's lists of shards (each a path, a row count, its bytes and sha256), if
+    anything: the first entry that is not one (a hand-edited or foreign manifest)."""
+    epochs = manifest["epochs"] if isinstance(manifest["epochs"], list) else None
+    if epochs is None or not all(isinstance(e, dict) and isinstance(e.get("shards"), list) for e in epochs):
+        return "'epochs' is not a list of epochs, each with its list of shards"
+    if not isinstance(manifest["valid"], dict) or not isinstance(manifest["valid"].get("shards"), list):
+        return "'valid' has no list of shards"
+    places = [(f"epoch {k}", e["shards"]) for k, e in enumerate(epochs)] + [("valid", manifest["valid"]["shards"])]
+    for where, shards in places:
+        for i, entry in enumerate(shards):
+            wrong = [] if isinstance(entry, dict) else ["is no object"]
+            if not wrong:
+                wrong = [f"'{key}' {entry.get(key)!r}" for key, kind in
+                         (("path", str), ("rows", int), ("bytes", int), ("sha256", str))
+                         if not isinstance(entry.get(key), kind) or isinstance(entry.get(key), bool)]
+                if isinstance(entry.get("rows"), int) and entry["rows"] < 0:
+                    wrong.append(f"'rows' {entry['rows']}")
+            if wrong:
+                return f"shard {i} of {where}: {', '.join(wrong)}"
+    return None
 
 
 def check_data(manifest: dict, data_dir, config: RunConfig) -> None:
