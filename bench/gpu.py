@@ -34,6 +34,7 @@ device: tests/test_bench.py runs them on the CPU at a tiny shape).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import gc
 import json
@@ -223,8 +224,8 @@ def measure_mfu(config, rows: int, accum: int, steps: int, profile: bool = False
                 device: torch.device = torch.device("cuda"), attention: str = "auto",
                 inductor_embedding: bool = False) -> dict:
     """`compiled`: the same update with the model under torch.compile (`[train] compile`, as the trainer does,
-    the token lookup's backward through ATen: common/embedding.py). `attention`: `[train] attention`, "auto"
-    (the fused kernel where the trainer would take it) or "sdpa". `inductor_embedding`: compiled, the lookup
+    the table lookups' backward through ATen: common/embedding.py). `attention`: `[train] attention`, "auto"
+    (the fused kernel where the trainer would take it) or "sdpa". `inductor_embedding`: compiled, the lookups
     left to Inductor (before common/embedding.py, for comparison)."""
     tc, V, L = config.train, config.tokenizer.vocab_size, config.corpus.max_seq_len
     torch.manual_seed(0)
@@ -757,7 +758,6 @@ def start_mps(folder: Path) -> dict:
                                  text=True, start_new_session=True)
         quit_.stdin.write("quit\n")
         quit_.stdin.close()
-    import atexit
     atexit.register(stop)
     return {"started": True, "folder": str(folder)}
 

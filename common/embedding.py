@@ -55,7 +55,7 @@ embedding.register_autograd(_backward, setup_context=_setup)
 
 
 def lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """`table(ids)` through the custom ops (an `Encoder.lookup`)."""
+    """`table(ids)` through the custom ops (an `Encoder.lookup` or `RelativePositionBias.lookup`)."""
     if table.max_norm is not None or table.scale_grad_by_freq or table.sparse:
         raise ValueError("the custom-op lookup covers a plain nn.Embedding only "
                          "(no max_norm, scale_grad_by_freq, sparse)")
