@@ -10,7 +10,7 @@ import sys
 from auxiliary.mlm import AuxRunError, train_aux, use_hf_aux
 from common.aux_record import aux_is_current
 from common.process import Interrupted
-from common.checkpoint import AUX_FILE, AUX_META
+from common.checkpoint import AUX_FILE, AUX_META, CheckpointUnreadable
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
 from common.corpus import local_corpus
 from common.io import DiskFull, FolderLocked, require_folder
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     except AuxRunError as e:  # the trainer has printed its own error
         print(f"error: {e}", file=sys.stderr)
         return e.code if 0 < e.code < 256 else 1
-    except (ConfigError, CorpusError, FileNotFoundError, ValueError, DiskFull, FolderLocked) as e:  # ValueError: HFError
+    except (ConfigError, CorpusError, FileNotFoundError, ValueError, DiskFull, FolderLocked,
+            CheckpointUnreadable) as e:  # ValueError: HFError
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

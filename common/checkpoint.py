@@ -6,14 +6,16 @@ cannot be read back is ignored by `latest_checkpoint`, never trusted.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import pickle
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from common.config import ModelConfig
-from common.io import DamagedFile, atomic_path, atomic_write_json, parse_json, read_json, sha256_file
+from common.io import DamagedFile, atomic_path, atomic_write_json, parse_json, read_json, retried, sha256_file
 from common.model import MaskedLM
 from common.tokenizer import Reserved
 
@@ -25,12 +27,26 @@ class IncompatibleInputs(ValueError):
     """Two inputs of a stage disagree (vocabulary, tokenizer, sequence length, schema)."""
 
 
-def safe_load(path: str | Path, map_location="cpu") -> dict:
+class CheckpointUnreadable(OSError):
+    """A checkpoint the file system would not read (an I/O error, not its bytes), after retries."""
+
+
+def safe_load(path: str | Path, map_location="cpu", mmap: bool = False) -> dict:
     """torch.load with `weights_only=True`: tensors and plain types only, so a file received from someone
     else cannot run code on load (refused: `IncompatibleInputs`). A file torch cannot read (cut short, another
-    format) is a `DamagedFile` (`latest_checkpoint` skips it). Both messages name the file."""
+    format) is a `DamagedFile` (`latest_checkpoint` skips it). Both messages name the file. A read the file
+    system failed (EIO, a stale NFS handle, no permission) stays an OSError, and a host out of memory a
+    MemoryError: neither says anything of the file's bytes.
+
+    `mmap`: the tensors stay in the file's pages (the page cache, shared by every process of a machine that
+    loads the file) until copied out, instead of each process holding a private copy of the whole file."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        except RuntimeError as e:
+            if mmap and "_use_new_zipfile_serialization" in str(e):  # not a zip archive: read it the plain way,
+                return torch.load(path, map_location=map_location, weights_only=True)  # which says what it is
+            raise
     except pickle.UnpicklingError as e:
         # "Unsupported global: GLOBAL builtins.open ...", "Trying to load unsupported GLOBAL posix.system ..."
         if re.search("unsupported global", str(e), re.IGNORECASE):
@@ -39,9 +55,21 @@ def safe_load(path: str | Path, map_location="cpu") -> dict:
                                      f"project ({first_line(e)[:200]})") from None
         raise DamagedFile(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
                           f"format: torch.load found no tensors and plain types in it)") from None
-    except (KeyError, RuntimeError, EOFError, ValueError) as e:  # torch.load on bytes it cannot read
-        raise DamagedFile(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
-                          f"format: {type(e).__name__} {first_line(e)[:120]})") from None
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: a seek past the end of a file cut short
+            raise
+        raise _damaged(path, e) from None
+    except RuntimeError as e:
+        if re.search(r"can't allocate memory|out of memory", str(e), re.IGNORECASE):
+            raise MemoryError(f"loading {path}: {first_line(e)[:200]}") from None
+        raise _damaged(path, e) from None
+    except (KeyError, EOFError, ValueError) as e:  # torch.load on bytes it cannot read
+        raise _damaged(path, e) from None
+
+
+def _damaged(path, e: Exception) -> DamagedFile:
+    return DamagedFile(f"{path} is not a checkpoint this project wrote (damaged, cut short or another "
+                       f"format: {type(e).__name__} {first_line(e)[:120]})")
 
 
 def first_line(error: BaseException) -> str:
@@ -198,14 +226,22 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
 
 def latest_checkpoint(folder: str | Path) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads; a damaged one is skipped with a note, one holding anything but
-    tensors and plain types is refused (`safe_load`)."""
+    tensors and plain types is refused (`safe_load`). A file the file system cannot read now is tried again
+    (`common.io.retried`) and then stops the caller (`CheckpointUnreadable`): resuming from an older checkpoint, or
+    from none, would throw away the updates since, and a trainer starting over rewrites its metrics. Loaded
+    with mmap: the ranks of a machine share the file's pages instead of each holding a copy (about 5 GiB at
+    the large preset, optimizer moments included) until the weights are copied out."""
     for path in reversed(list_checkpoints(folder)):
         try:
-            state = safe_load(path)
-            if isinstance(state, dict) and "step" in state and "model" in state:
-                return path, state
-        except IncompatibleInputs:
-            raise
-        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
-            print(f"checkpoints: ignoring unreadable checkpoint {path}: {type(e).__name__}: {e}")
+            state = retried(partial(safe_load, path, mmap=True), str(path), "checkpoints")
+        except DamagedFile as e:
+            print(f"checkpoints: ignoring unreadable checkpoint {path}: {e}")
+            continue
+        except OSError as e:
+            raise CheckpointUnreadable(f"checkpoint {path} cannot be read ({type(e).__name__}: {first_line(e)[:200]}); "
+                                       f"not resuming from an older one or from the start: run again when the file "
+                                       f"system reads it") from e
+        if isinstance(state, dict) and "step" in state and "model" in state:
+            return path, state
+        print(f"checkpoints: ignoring {path}: not a trainer checkpoint (no 'step' and 'model')")
     return None

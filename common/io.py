@@ -11,12 +11,36 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 from common.storage import cache_root, is_remote, location
+
+
+# A read that fails with an OSError is tried again before its file is called damaged or the stage stops: on
+# object storage or a shared filesystem a timeout or a server's failover fails one read, and damage would stop
+# every rank of a job (or, for a checkpoint, send a resume to an older one)
+READ_TRIES, READ_BACKOFF_S = 4, 0.5
+
+
+def retried(read, what: str, stage: str):
+    """`read()`, tried up to READ_TRIES times in all where it fails with an OSError (what pyarrow and torch.load
+    raise for I/O, a network's or a file server's included), with doubling pauses (0.5, 1, 2 s), each failure said
+    on stderr as `stage`'s; the last one raised. Other errors (a wrong schema, bytes that are no Parquet) at once."""
+    for attempt in range(READ_TRIES):
+        try:
+            return read()
+        except OSError as e:
+            if attempt == READ_TRIES - 1:
+                raise
+            pause = READ_BACKOFF_S * 2**attempt
+            print(f"{stage}: reading {what} failed ({type(e).__name__}: {str(e)[:200]}); trying again in {pause:g} s",
+                  file=sys.stderr, flush=True)
+            time.sleep(pause)
 
 
 def sha256_file(path, chunk: int = 1 << 20) -> str:

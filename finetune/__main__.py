@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.checkpoint import IncompatibleInputs
+from common.checkpoint import CheckpointUnreadable, IncompatibleInputs
 from common.config import ConfigError
 from common.io import DamagedFile, DiskFull, FolderLocked, require_folder
 from finetune.config import resolve_config
@@ -42,7 +42,8 @@ def main(argv=None) -> int:
         out = Path(args.out) if args.out else backbone.home / f"{Path(cfg.task.path).name}-{args.init}"
         require_folder(out)
         finetune(cfg, backbone, out, Path(args.tasks_dir), progress=not args.no_progress)
-    except (ConfigError, TaskError, IncompatibleInputs, FileNotFoundError, DamagedFile, DiskFull, FolderLocked) as e:
+    except (ConfigError, TaskError, IncompatibleInputs, FileNotFoundError, DamagedFile, DiskFull, FolderLocked,
+            CheckpointUnreadable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((out / "results.md").read_text())

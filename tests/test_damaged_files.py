@@ -4,6 +4,7 @@ what the file's stage can rebuild, it rebuilds; `--force` never deletes a folder
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -194,9 +195,10 @@ def test_resume_skips_a_newest_checkpoint_cut_short_for_the_one_before(tmp_path,
 
 
 def test_pruning_keeps_the_checkpoints_a_run_resumed_from_a_damaged_newest_one_writes(tmp_path):
-    """keep = 1 and a damaged step 10: the run resumes from scratch; the checkpoints it writes at steps 2 and 4
-    are its only readable ones, so they are what pruning keeps (by name, the damaged step 10 was kept and each
-    new checkpoint deleted as it was written)."""
+    """keep = 1 and a damaged step 10 beside checkpoints written from scratch (the trainer no longer starts over
+    beside it, `train.state.restore`; a folder may still hold one): the checkpoints of steps 2 and 4 are the only
+    readable ones, so they are what pruning keeps (by name, the damaged step 10 was kept and each new checkpoint
+    deleted as it was written)."""
     import torch
     from common.checkpoint import latest_checkpoint, save_checkpoint
     damaged = tmp_path / "step-00000010.pt"
@@ -432,11 +434,12 @@ def test_a_shard_read_that_fails_once_is_tried_again_and_one_that_keeps_failing_
     failure said on stderr; on every try: the shard named as damaged after READ_TRIES tries. Opening the
     shard's footer likewise."""
     import pyarrow.parquet as pq
+    from common import io as common_io
     from train import data as train_data
     _, data, _ = generated
     manifest = json.loads((data / "manifest.json").read_text())
     expected = train_data.training_stream(data, manifest).rows(0, 40)
-    monkeypatch.setattr(train_data, "READ_BACKOFF_S", 0.0)
+    monkeypatch.setattr(common_io, "READ_BACKOFF_S", 0.0)
     real_read, real_open = pq.ParquetFile.read_row_group, train_data.open_parquet
     failures = {"read": 1, "open": 1}
 
@@ -454,7 +457,7 @@ def test_a_shard_read_that_fails_once_is_tried_again_and_one_that_keeps_failing_
     assert all(np.array_equal(a, b) for a, b in zip(got["input_ids"], expected["input_ids"]))
     assert np.array_equal(got["stream_index"], expected["stream_index"]) and len(got["input_ids"]) == 40
     assert capsys.readouterr().err.count("failed (OSError: AWS Error NETWORK_CONNECTION") == 2
-    failures["read"] = train_data.READ_TRIES
+    failures["read"] = common_io.READ_TRIES
     with pytest.raises(train_data.DataError, match=r"shard-\d+\.parquet: row group 0 .* is damaged: OSError"):
         train_data.training_stream(data, manifest).rows(0, 40)
     assert failures["read"] == 0
@@ -480,3 +483,103 @@ def test_a_manifest_whose_shard_entries_are_wrong_stops_the_trainer_with_one_lin
     err = capsys.readouterr().err
     assert err.startswith(f"error: {copy / MANIFEST_FILE}: {said}") and err.count("\n") == 1, err
     assert "make generate-epochs" in err, err
+
+
+@pytest.mark.slow  # the session's generated folder (Ray)
+def test_a_resume_whose_checkpoints_cannot_be_read_stops_and_keeps_the_runs_metrics(generated, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """The trainer resuming where the file system fails every read of the checkpoints (EIO) stops naming the
+    newest, after its retries; where every checkpoint is damaged it stops too: neither starts the run over, which
+    rewrote metrics.jsonl (and, with EIO, went on from step 0 beside the step-4 file). A read failing once is
+    tried again and the run resumes from its newest checkpoint."""
+    import errno
+
+    import torch
+
+    from common import io as common_io
+    from train.__main__ import main as train_main
+    manifest, data, _ = generated
+    run = tmp_path / "run"
+    args = ["--manifest", str(manifest), "--data", str(data), "--out", str(run), "--set", "train.max_steps=4",
+            "--set", "train.ckpt_every=2", "--set", "train.eval_every=2"]
+    assert train_main(args) == 0
+    metrics = (run / "metrics.jsonl").read_bytes()
+    newest = run / "checkpoints" / "step-00000004.pt"
+    assert newest.is_file()
+    monkeypatch.setattr(common_io, "READ_BACKOFF_S", 0.0)
+    real_load, failures = torch.load, {"left": 0, "calls": 0}
+
+    def failing_load(*a, **k):
+        failures["calls"] += 1
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real_load(*a, **k)
+    monkeypatch.setattr(torch, "load", failing_load)
+    capsys.readouterr()
+
+    failures["left"] = 10**6  # every read
+    assert train_main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: checkpoint \S+step-00000004\.pt cannot be read \(OSError: \[Errno 5\] Input/output "
+                     r"error\); not resuming from an older one or from the start", err), err
+    assert failures["calls"] == common_io.READ_TRIES  # the newest only, tried READ_TRIES times; no older one
+    assert err.count("checkpoints: reading") == common_io.READ_TRIES - 1
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+
+    failures["left"], failures["calls"] = 1, 0  # one failed read: resumed from step 4 (the run's end)
+    assert train_main([*args, "--resume"]) == 0
+    out = capsys.readouterr()
+    assert f"resumed from {newest} at step 4" in out.out and "checkpoints: reading" in out.err
+    monkeypatch.setattr(torch, "load", real_load)
+
+    metrics = (run / "metrics.jsonl").read_bytes()
+    for path in (run / "checkpoints").glob("step-*.pt"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert train_main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "none of the 2 checkpoint(s)" in err and "step-00000004.pt" in err and "move them out" in err, err
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_host_out_of_memory_while_loading_is_no_damage(tmp_path, monkeypatch):
+    """torch.load failing to allocate (a RuntimeError from its allocator) stops the caller with a MemoryError:
+    it was counted a damaged file, skipped for an older checkpoint or none."""
+    import torch
+    from common.checkpoint import latest_checkpoint, save_checkpoint
+    save_checkpoint({"step": 1, "model": {"w": torch.ones(4)}}, tmp_path, keep=3)
+    save_checkpoint({"step": 2, "model": {"w": torch.ones(4)}}, tmp_path, keep=3)
+
+    def out_of_memory(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 5217714176 bytes. Error code 12 (Cannot allocate memory)")
+    monkeypatch.setattr(torch, "load", out_of_memory)
+    with pytest.raises(MemoryError, match=r"loading \S+step-00000002\.pt: .*can't allocate memory"):
+        latest_checkpoint(tmp_path)
+
+
+def test_checkpoints_load_into_shared_pages_not_a_copy_per_process(tmp_path):
+    """A resume on a machine of 8 ranks held 8 copies of the checkpoint (about 5 GiB each at the large preset,
+    optimizer moments included). Loaded the way the trainer does (latest_checkpoint, then load_state_dict), the
+    process's own (anonymous) memory grows by a small part of the file: its pages are the page cache's."""
+    import torch
+    from common.checkpoint import save_checkpoint
+    weights = {f"w{i}": torch.randn(1024, 1024) for i in range(16)}  # 64 MiB
+    save_checkpoint({"step": 1, "model": weights}, tmp_path, keep=1)
+    size = (tmp_path / "step-00000001.pt").stat().st_size
+    probe = f"""
+import torch
+from common.checkpoint import latest_checkpoint
+def anon():
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon:')) * 1024
+model = torch.nn.ParameterDict({{f"w{{i}}": torch.nn.Parameter(torch.zeros(1024, 1024)) for i in range(16)}})
+before = anon()
+path, state = latest_checkpoint({str(tmp_path)!r})
+model.load_state_dict(state["model"])
+assert torch.equal(model["w3"], state["model"]["w3"])
+print(anon() - before)
+"""
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    grown = int(result.stdout.split()[-1])
+    assert grown < 0.25 * size, (grown, size)

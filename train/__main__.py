@@ -18,7 +18,7 @@ if __name__ == "__main__":  # before torch is imported: a rank whose start-up ha
 
 from tqdm import tqdm  # noqa: E402
 
-from common.checkpoint import IncompatibleInputs  # noqa: E402
+from common.checkpoint import CheckpointUnreadable, IncompatibleInputs  # noqa: E402
 from common.config import ConfigError, add_manifest_argument, add_set_argument  # noqa: E402
 from common.io import DamagedFile, DiskFull, FolderLocked  # noqa: E402
 from common.sources import CorpusError  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     try:
         train(args, after_step=test_hook())
     except (ConfigError, DataError, IncompatibleInputs, FolderLocked, DamagedFile, CorpusError, DiskFull,
-            FloatingPointError) as e:  # FloatingPointError: K non-finite losses in a row (train.trainer)
+            CheckpointUnreadable, FloatingPointError) as e:  # FloatingPointError: K non-finite losses in a row
         tqdm.write(f"error: {e}", file=sys.stderr)  # on a line of its own, not after the progress bar's
         return leave(2)
     except Stopped as e:  # as if the signal had ended it, a scheduler sees the run unfinished; a shard read that

@@ -12,7 +12,6 @@ import bisect
 import dataclasses
 import io
 import json
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -27,7 +26,7 @@ from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs, check_sizes
 from common.config import RunConfig, config_to_dict, generation_settings
 from common.corpus import CORPUS_META, REBUILD
-from common.io import FolderLock, _alive, owner_running, read_json, read_record, sha256_file
+from common.io import FolderLock, _alive, owner_running, read_json, read_record, retried, sha256_file
 from common.shards import (FORMAT_VERSION, MANIFEST_FILE, PLAN_FILE, PROGRESS_FILE, SHARD_SCHEMA, data_fingerprint,
                            list_column, open_parquet, stream_fingerprint)
 from common.storage import is_remote, list_files, location
@@ -372,27 +371,6 @@ class Shard:
     name: str = ""  # its path in the folder (the key of its record)
 
 
-# A shard read that fails is tried again before the shard is called damaged: on object storage or a shared
-# filesystem a timeout or a server's failover fails one read, and damage would stop every rank of the job
-READ_TRIES, READ_BACKOFF_S = 4, 0.5
-
-
-def retried(read, what: str):
-    """`read()`, tried up to READ_TRIES times in all where it fails with an OSError (what pyarrow raises for
-    I/O, a network's or a file server's included), with doubling pauses (0.5, 1, 2 s), each failure said on
-    stderr; the last one raised. Other errors (a wrong schema, bytes that are no Parquet) at once."""
-    for attempt in range(READ_TRIES):
-        try:
-            return read()
-        except OSError as e:
-            if attempt == READ_TRIES - 1:
-                raise
-            pause = READ_BACKOFF_S * 2**attempt
-            print(f"train: reading {what} failed ({type(e).__name__}: {str(e)[:200]}); trying again in {pause:g} s",
-                  file=sys.stderr, flush=True)
-            time.sleep(pause)
-
-
 class ShardStream:
     """Random access to rows [start, stop) of a stream of shards, read a row group at a time (the few
     last ones cached). `bytes_read` / `bytes_decompressed`: what this stream has read from disk (column
@@ -465,7 +443,7 @@ class ShardStream:
             source, footer = remote_parquet(shard.path, self._count) if is_remote(shard.path) else (None, None)
             return open_parquet(shard.path, SHARD_SCHEMA, source, footer)
         try:
-            file = retried(open_shard, shard.path)
+            file = retried(open_shard, shard.path, "train")
         except Exception as e:  # noqa: BLE001 - any footer or schema unreadable after the tries is damage
             raise DataError(f"{shard.path} is damaged: {type(e).__name__}: {e}; run `make generate-epochs` "
                             f"(it redoes damaged shards), then train with --resume") from None
@@ -495,7 +473,7 @@ class ShardStream:
                 self._files.pop(k, None)  # opened again for the next try: a reader that failed may not read again
                 raise
         try:
-            table = retried(read, f"{shard.path} row group {g}")
+            table = retried(read, f"{shard.path} row group {g}", "train")
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - a page whose CRC32 or encoding is wrong, after the tries

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import IncompatibleInputs, latest_checkpoint, save_checkpoint
+from common.checkpoint import IncompatibleInputs, latest_checkpoint, list_checkpoints, save_checkpoint
 from common.config import RunConfig, changed_keys, config_from_dict, config_to_dict, resume_trajectory
 from common.distributed import gather_objects
 
@@ -69,6 +69,11 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
                         for name, ranks in seen.items())
             + "): every rank must read the one run folder rank 0 writes (a shared file system)")
     if not found:
+        if unread := list_checkpoints(ckpt_dir):  # every rank sees them: the names above agreed
+            raise IncompatibleInputs(
+                f"none of the {len(unread)} checkpoint(s) in {ckpt_dir} loads (the newest, {unread[-1].name}; the "
+                f"notes above say why): starting over here would rewrite this run's metrics.jsonl. To train this run "
+                f"from the start, move them out of the folder; or use a new --out")
         return None
     path, state = found
     if state["data_manifest_sha256"] != manifest_hash:
