@@ -253,17 +253,25 @@ def wait_until_placed(actors: list, options: dict, note_after: float = 60.0) -> 
         ray.get(done)  # an actor that failed to start raises here
         waited += note_after
         if pending:
-            print(not_started_note(len(pending), len(actors), waited, options, ray.available_resources()), flush=True)
+            print(not_started_note(len(pending), len(actors), waited, options, ray.available_resources(),
+                                  ray.cluster_resources()), flush=True)
 
 
-def not_started_note(pending: int, total: int, waited: float, options: dict, free: dict) -> str:
-    """What `wait_until_placed` says of actors not yet holding their aux model, given Ray's free resources."""
+def not_started_note(pending: int, total: int, waited: float, options: dict, free: dict,
+                     cluster: dict | None = None) -> str:
+    """What `wait_until_placed` says of actors not yet holding their aux model, given Ray's free resources and
+    the cluster's: resources free for one more, or in use for all `total` (Ray reserves an actor's share before
+    its process has started), say the actors are still starting, not that they do not fit."""
     cpu, gpu = free.get("CPU", 0.0), free.get("GPU", 0.0)
     fits = cpu >= options["num_cpus"] and gpu >= options["num_gpus"]
+    cluster = cluster or {}
+    held = all(cluster.get(kind, 0.0) - free.get(kind, 0.0) >= total * options[key] - 1e-3
+               for kind, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")))
     return (f"generate: {pending} of {total} actors not started after {waited:.0f} s; each asks Ray for "
             f"{options['num_cpus']:g} CPU and {options['num_gpus']:g} GPU, the cluster has {cpu:g} CPU and {gpu:g} GPU "
             "free " + ("(enough: they are still starting, loading the aux model on a busy machine)" if fits else
-                       "(lower --workers or [generate] actors_per_gpu, or add nodes)"))
+                       f"(the rest held, enough for all {total}: they are still starting, loading the aux model on a "
+                       f"busy machine)" if held else "(lower --workers or [generate] actors_per_gpu, or add nodes)"))
 
 
 def _size(n: float) -> str:
