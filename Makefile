@@ -1,11 +1,13 @@
 # Fast-ELECTRA: a thin veneer over `python -m ...`. Each target builds what it needs first.
 #   make train                      # whole chain on the embedded default (manifests/tiny.toml)
-#   make train MANIFEST=manifests/base.toml NPROC=8
+#   make train MANIFEST=manifests/base.toml        # NPROC: one rank per GPU by default
 #   make test
 MANIFEST ?= manifests/tiny.toml
 DATA     ?=
 RUN      ?=
-NPROC    ?= 1
+# ranks of the trainer and the aux MLM: one per GPU `nvidia-smi -L` lists, else 1 (the aux model of base trained on
+# one of 8 GPUs took 8x as long: `make generate-epochs` trains it first)
+NPROC    ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -gt 0 ] 2>/dev/null && echo $$n || echo 1)
 WORKERS  ?=
 CORPUS   ?=
 # AUX=hf:PATH: an existing masked LM in a local Hugging Face directory as the aux model (needs `pip install -e '.[hf]'`)

@@ -197,8 +197,8 @@ class GenerateConfig:
     """Shards in flight per actor: 0 = 2 on a GPU actor (the next shard's masking and aux forward run
     while the last one is written), 1 on a CPU actor (one core: nothing to overlap). Bytes never change."""
     actors_per_gpu: int = 1
-    """GPU actors sharing each GPU, each a process with its own aux model and generation memory (about 10 GiB
-    at the base preset; the generator checks before any shard that they fit): one actor's host side bounds what
+    """GPU actors sharing each GPU, each a process with its own aux model and generation memory (a peak of 6.8 GiB
+    measured at the base preset, `make bench-gpu`; the generator checks its estimate before any shard): one actor's host side bounds what
     it gives its GPU. On an H200 at base, 4 gave 1.2x the tokens/s of 1 (docs/benchmarks.md). Bytes never
     change."""
     distribution: str = "aux"

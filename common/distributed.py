@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -9,8 +10,29 @@ import torch.distributed as dist
 from common.config import ConfigError
 
 
+def unusable_gpus(what: str) -> str | None:
+    """Why `what` would run on the CPU of a machine that has NVIDIA GPUs, if it would: `nvidia-smi` is there
+    (the test `make setup` uses to install a CUDA build) but this torch cannot use CUDA, a CPU-only build (an
+    environment made on a machine without GPUs, a login node say, then used on a GPU node) or a CUDA build
+    the driver is too old for. None where torch sees CUDA, where there is no GPU, or where the GPUs are
+    hidden on purpose (CUDA_VISIBLE_DEVICES empty or -1)."""
+    if torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        return None
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return None
+    build = ("a CPU-only build" if torch.version.cuda is None else
+             f"built for CUDA {torch.version.cuda}, which this machine's driver may be too old for")
+    return (f"this machine has NVIDIA GPUs (nvidia-smi is on PATH) but torch {torch.__version__} cannot use them "
+            f"({build}): {what} would run on the CPU. Make the environment on this machine (rm -rf .venv && make "
+            f"setup installs a CUDA build where nvidia-smi is found), or set CUDA_VISIBLE_DEVICES= to run on the "
+            f"CPU on purpose")
+
+
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun sets WORLD_SIZE/RANK; NCCL on GPU, gloo on CPU. Plain `python -m train` is one rank."""
+    """torchrun sets WORLD_SIZE/RANK; NCCL on GPU, gloo on CPU. Plain `python -m train` is one rank. A machine
+    whose GPUs this torch cannot use is refused (`unusable_gpus`) rather than trained on over gloo."""
+    if problem := unusable_gpus("training"):
+        raise ConfigError(problem)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from common.batching import attention_mask, pad_rows
 from common.checkpoint import IncompatibleInputs, latest_checkpoint, safe_load
 from common.config import ConfigError, ModelConfig, RunConfig, config_from_dict, load_manifest
+from common.distributed import unusable_gpus
 from common.corpus import local_corpus
 from common.io import atomic_write_json, atomic_write_text, sha256_file
 from common.model import Encoder, ReplacedTokenDetector, count_parameters, init_weights
@@ -332,6 +333,8 @@ def read_run(path: Path) -> dict | None:
 def finetune(cfg: FinetuneConfig, backbone: Backbone, out_dir: Path, tasks_dir: Path, progress: bool = True) -> dict:
     """Every grid point x seed (runs already in `out_dir` with the same inputs are reused), then
     results.json / results.md. Returns the results."""
+    if problem := unusable_gpus("fine-tuning"):
+        raise ConfigError(problem)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder, train, dev, label_names = load_task(cfg, tasks_dir)
     num_labels = 1 if cfg.task.regression else len(label_names)

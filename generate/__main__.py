@@ -12,6 +12,7 @@ import sys
 
 from common.checkpoint import AUX_FILE, IncompatibleInputs
 from common.config import ConfigError, add_manifest_argument, add_set_argument, load_manifest
+from common.distributed import unusable_gpus
 from common.io import DamagedFile, DiskFull, FolderLocked
 from common.sources import CorpusError
 from common.storage import location
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
         config = load_manifest(args.manifest, args.sets)
         if args.workers is not None and args.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+        if not args.address and (problem := unusable_gpus("generation")):  # a cluster's nodes: each actor checks
+            raise ConfigError(problem)
         # joining a cluster: its GPUs (or cores), counted once Ray is up (0 here)
         workers = args.workers if args.workers is not None else 0 if args.address else default_workers()
         # folders or object storage URIs (s3://bucket/prefix: common/storage.py)
