@@ -33,6 +33,7 @@ FAIL_ONCE_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ONCE"  # path of a marker file; t
 SLOW_ENV = "FAST_ELECTRA_TEST_SECONDS_PER_SHARD"      # sleep before each shard, to kill a run halfway;
 # "S@E": before each shard of training epochs E and later only (a generator a trainer catches up with)
 FAIL_ALWAYS_ENV = "FAST_ELECTRA_TEST_KILL_WORKER_ALWAYS"  # set: every task's process dies (past Ray's restarts)
+HANG_ENV = "FAST_ELECTRA_TEST_HANG_ONCE"  # path of a marker file; the first task never returns (a node lost)
 MEMORY_ENV = "FAST_ELECTRA_MEMORY_BYTES"  # bytes free on every machine and GPU, in place of what they say (tests)
 
 
@@ -92,6 +93,9 @@ class ShardActor:
         if self.problem:
             raise NodeProblem(self.problem)
         time.sleep(slow_seconds(os.environ.get(SLOW_ENV, ""), task))
+        if (hang := os.environ.get(HANG_ENV)) and not os.path.exists(hang):
+            Path(hang).write_text(f"hung pid {os.getpid()} on {task.path}\n")
+            threading.Event().wait()  # a task whose node went away: it never returns
         marker = os.environ.get(FAIL_ONCE_ENV)
         if os.environ.get(FAIL_ALWAYS_ENV) or marker and not os.path.exists(marker):
             if marker:
@@ -101,6 +105,35 @@ class ShardActor:
         stamp = file_stamp(self.writer.out_dir / task.path)  # in place now: a restart trusts it as it is
         return {**record, "device": self.device, "device_model": self.device_model, "libraries": self.libraries,
                 "stamp": stamp}
+
+
+# The driver polls its shards every POLL_S; with nothing left to start, a shard that has run STRAGGLER_TIMES the
+# median shard's time (STRAGGLER_MIN_S at least) runs again on an idle actor: Ray restarts an actor whose node was
+# lost only where there is room, which a cluster of busy GPUs does not have, and the driver waited for it forever.
+# Shard bytes depend on the task alone and writes are atomic, so the copy that finishes second changes nothing.
+POLL_S, STRAGGLER_TIMES, STRAGGLER_MIN_S = 2.0, 3.0, 10.0
+NOTE_AFTER_S = 600.0  # no shard finished for this long: say what is in flight and what the cluster has free
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
+
+
+def straggler(pending: dict, started: dict, seconds: list[float]):
+    """The longest-running pending shard that has run past STRAGGLER_TIMES the median of `seconds` (and
+    STRAGGLER_MIN_S), with no second copy in flight, as (future, (actor, task)); None if there is none."""
+    if not seconds:
+        return None
+    copies = {}
+    for _, task in pending.values():
+        copies[task.path] = copies.get(task.path, 0) + 1
+    limit, now = max(STRAGGLER_TIMES * median(seconds), STRAGGLER_MIN_S), time.time()
+    late = [(started[f], f) for f, (_, task) in pending.items() if copies[task.path] == 1 and now - started[f] > limit]
+    if not late:
+        return None
+    future = min(late, key=lambda x: x[0])[1]
+    return future, pending[future]
 
 
 def task_error(error: "ray.exceptions.RayTaskError", task: ShardTask) -> Exception:
@@ -164,7 +197,7 @@ def append_progress(out_dir, record: dict) -> None:
 
 
 def start_ray(address: str | None, workers: int) -> None:
-    common_start_ray(address, workers, (FAIL_ONCE_ENV, FAIL_ALWAYS_ENV, SLOW_ENV))
+    common_start_ray(address, workers, (FAIL_ONCE_ENV, FAIL_ALWAYS_ENV, SLOW_ENV, HANG_ENV))
 
 
 def slow_seconds(value: str, task: ShardTask) -> float:
@@ -306,18 +339,41 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
         # one slot per task in flight, taken in turn: the first tasks (the validation shard, epoch 0's first
         # shards: the trainer's first steps) go one to each device, not two to one while others wait
         idle = deque(actor for _ in range(depth) for actor in actors)
+        started, seconds, quiet_since = {}, [], time.time()
         while queue or pending:
             while queue and idle:
                 actor = idle.popleft()
                 task = queue.popleft()
-                pending[actor.run.remote(task)] = actor, task
-            done, _ = ray.wait(list(pending), num_returns=1)
+                future = actor.run.remote(task)
+                pending[future], started[future] = (actor, task), time.time()
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+            if not done:
+                if not queue and idle:  # nothing left to start: a straggler runs again on an idle actor
+                    if again := straggler(pending, started, seconds):
+                        future, (_, task) = again
+                        print(f"generate: shard {task.path} has run {time.time() - started[future]:.0f} s on its "
+                              f"actor, the shards so far {median(seconds):.0f} s (its node lost, Ray restarting "
+                              f"the actor?); running it on an idle actor too (the same bytes)", flush=True)
+                        actor = idle.popleft()
+                        duplicate = actor.run.remote(task)
+                        pending[duplicate], started[duplicate] = (actor, task), time.time()
+                if time.time() - quiet_since > NOTE_AFTER_S:
+                    quiet_since = time.time()
+                    free = ray.available_resources()
+                    print(f"generate: no shard finished in the last {NOTE_AFTER_S / 60:.0f} min; {len(pending)} in "
+                          f"flight; the cluster has {free.get('CPU', 0):g} CPU and {free.get('GPU', 0):g} GPU free. "
+                          f"Lost nodes that are not coming back: stop (Ctrl-C) and rerun, the shards done are "
+                          f"kept", flush=True)
+                continue
+            quiet_since = time.time()
             actor, task = pending.pop(done[0])
             try:
                 record = ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
                 raise task_error(e, task) from None
             except ray.exceptions.RayActorError as e:  # its process died, restarts and retries spent
+                if any(t.path == task.path for _, t in pending.values()):  # its other copy runs on
+                    continue
                 os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
                 raise ActorDied(f"the generation actor working on {task.path} died {options['max_restarts'] + 1} "
                                 f"times ({str(e).strip().splitlines()[0][:200]}); killed for memory? The node's "
@@ -325,6 +381,10 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
                                 f"the shards done") from None
             append_progress(out_dir, record)
             records.append(record)
+            seconds.append(time.time() - started.pop(done[0]))
+            for other in [f for f, (_, t) in pending.items() if t.path == task.path]:  # a copy on a stuck actor:
+                del pending[other], started[other]  # not waited for (killed below), its slot given no more work
+                os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"  # nor its error, if it ever ends in one
             idle.append(actor)
             tokens += record["tokens"]
             bar.update(1)

@@ -7,6 +7,7 @@ and after a damaged shard is detected and regenerated.
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 
 from common.config import config_from_dict, config_to_dict, dump_toml
 from common.io import sha256_file
-from generate.job import FAIL_ALWAYS_ENV, FAIL_ONCE_ENV, SLOW_ENV
+from generate.job import FAIL_ALWAYS_ENV, FAIL_ONCE_ENV, HANG_ENV, SLOW_ENV
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -104,6 +105,22 @@ def test_worker_dying_mid_task_is_retried_with_identical_output(reference, tmp_p
     _run(manifest, folder / "fault", 2, env={FAIL_ONCE_ENV: str(marker)})
     assert marker.is_file() and "killed pid" in marker.read_text()  # a worker process really died
     assert _hashes(folder / "fault") == expected
+
+
+def test_a_shard_whose_actor_never_returns_runs_again_on_an_idle_one_with_identical_output(reference, tmp_path):
+    """A task that never returns (its node lost: Ray restarts the actor only where there is room, which a
+    cluster of busy GPUs lacks) left the driver waiting forever, silently. Once nothing else is left to start,
+    it runs again on an idle actor, said on stdout; the folder is the uninterrupted one, a record per shard."""
+    manifest, folder, expected = reference
+    marker, out = tmp_path / "hung-once", folder / "hung"
+    result = _run(manifest, out, 2, env={HANG_ENV: str(marker)})
+    hung = marker.read_text().split(" on ")[-1].strip()
+    assert marker.read_text().startswith("hung pid"), marker.read_text()
+    assert re.search(rf"generate: shard {re.escape(hung)} has run \d+ s on its actor, the shards so far \d+ s .*"
+                     rf"running it on an idle actor too", result.stdout), result.stdout[-3000:]
+    assert _hashes(out) == expected
+    records = [json.loads(line)["path"] for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert sorted(records) == sorted(expected) and len(records) == len(set(records))
 
 
 def test_damaged_shard_is_detected_and_regenerated(reference, tmp_path):
