@@ -398,16 +398,20 @@ class FolderLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = self._owner()
-                if not owner:  # being written this instant, or torn by a kill
+                if not owner:  # being written this instant, or torn by a kill: removed once it has stayed empty
                     time.sleep(0.05)
-                    if not self._owner() and self.path.exists():
-                        self.path.unlink(missing_ok=True)
+                    with self._taking_over():
+                        if not self._owner() and time.time() - _mtime(self.path, time.time()) > TORN_LOCK_S:
+                            self.path.unlink(missing_ok=True)
                     continue
                 if owner.get("host") == host and (owner.get("pid") == os.getpid() or not owner_running(owner)):
-                    if owner.get("pid") != os.getpid():
-                        print(f"{self.what}: taking over the lock of process {owner.get('pid')} ({owner.get('what')}), "
-                              f"which is no longer running")
-                    self.path.unlink(missing_ok=True)
+                    with self._taking_over():
+                        if self._owner() != owner:  # another process took it over first: judge its lock anew
+                            continue
+                        if owner.get("pid") != os.getpid():
+                            print(f"{self.what}: taking over the lock of process {owner.get('pid')} "
+                                  f"({owner.get('what')}), which is no longer running")
+                        self.path.unlink(missing_ok=True)
                     continue
                 elsewhere = "" if owner.get("host") == host else (
                     f"; if it no longer runs there (a machine that went down), delete {self.path}")
@@ -420,6 +424,20 @@ class FolderLock:
             return self
         raise FolderLocked(f"could not take the lock {self.path}")
 
+    @contextmanager
+    def _taking_over(self):
+        """Held while a stale lock is judged and removed: two processes that both found the same dead owner
+        removed in turn its lock and then the lock the first had just made for itself, and both went on as
+        the folder's one writer. An flock (released by the kernel when its holder dies; over NFS, a lock the
+        server keeps) on a file beside the lock, made the first time it is needed and left there."""
+        import fcntl
+        with open(self.path.with_name(self.path.name + ".takeover"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     def release(self) -> None:
         if self._owner().get("pid") == os.getpid():
             self.path.unlink(missing_ok=True)
@@ -429,6 +447,16 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+TORN_LOCK_S = 1.0  # an empty lock file older than this was torn by a kill, not being written this instant
+
+
+def _mtime(path: Path, default: float) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return default
 
 
 def _started(pid: int) -> int | None:

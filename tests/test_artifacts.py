@@ -2,6 +2,7 @@
 corpora rebuilt by content, no trainer outliving its command."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,60 @@ def test_a_lock_whose_pid_now_belongs_to_another_process_is_taken_over(tmp_path,
     lock_file.write_text(json.dumps({"pid": 1, "host": "another-host", "what": "a writer", "since": "then"}))
     with pytest.raises(FolderLocked, match=rf"on another-host.*delete {lock_file}"):
         FolderLock(folder, "me").acquire()
+
+
+TAKE_OVER = """
+import sys, time
+import common.io as io
+real = io.owner_running
+def slow(owner):  # judging the dead owner takes a while (a slow /proc, a busy machine): both processes do it at once
+    time.sleep(0.3)
+    return real(owner)
+io.owner_running = slow
+try:
+    lock = io.FolderLock(sys.argv[1], sys.argv[2]).acquire()
+except io.FolderLocked as e:
+    print("refused:", e, flush=True)
+    sys.exit(0)
+print("took it", flush=True)
+time.sleep(1.5)  # held while the other one decides
+lock.release()
+"""
+
+
+def test_two_processes_finding_the_same_dead_owner_do_not_both_take_the_folder(tmp_path, env_with_repo):
+    """Both judged the dead owner's lock stale: the first removed it and made its own, the second then removed
+    that one too and made its own, and two writers went on in one folder. One takes it; the other is refused
+    naming it."""
+    import socket
+    folder = tmp_path / "epochs"
+    (tmp_path / ".epochs.lock").write_text(json.dumps({"pid": 1, "started": -1, "host": socket.gethostname(),
+                                                       "what": "a killed writer", "since": "2026-11-25 00:00:00"}))
+    procs = [subprocess.Popen([sys.executable, "-c", TAKE_OVER, str(folder), f"writer {i}"], cwd=ROOT,
+                              env=env_with_repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    said = [out for out, _ in outs]
+    assert sum("took it" in out for out in said) == 1, said
+    assert sum(re.search(r"refused: .*epochs is being written by writer \d", out) is not None for out in said) == 1, said
+
+
+def test_an_empty_lock_is_left_while_it_may_be_being_written_and_removed_once_old(tmp_path, monkeypatch):
+    """An empty lock file: a writer between its exclusive create and its first write (slow on a network file
+    system), or one a kill tore. It was removed after 50 ms, under a writer still writing it; now once it is
+    older than TORN_LOCK_S (here 60 s, then the file made older)."""
+    import common.io as io
+    monkeypatch.setattr(io, "TORN_LOCK_S", 60.0)
+    lock_file = tmp_path / ".run.lock"
+    lock_file.write_text("")
+    with pytest.raises(FolderLocked, match="could not take the lock"):
+        FolderLock(tmp_path / "run", "me").acquire()
+    assert lock_file.exists() and lock_file.read_text() == ""
+    old = time.time() - 2 * io.TORN_LOCK_S
+    os.utime(lock_file, (old, old))
+    with FolderLock(tmp_path / "run", "me") as lock:
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
 
 
 @pytest.mark.slow
