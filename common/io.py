@@ -114,8 +114,10 @@ def parse_json(text: str, path, required: tuple[str, ...] = (), remedy: str = ""
 
 
 def tmp_path_for(path: Path) -> Path:
-    """Temporary sibling of `path`; its name never collides with a final name."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Temporary sibling of `path`; its name never collides with a final name, nor with another writer's
+    temporary of the same path: two threads of one process (a shard run again beside its straggling copy),
+    two hosts whose processes have one pid (containers on a shared file system)."""
+    return path.with_name(f".{path.name}.tmp-{_host()}-{os.getpid()}-{threading.get_ident()}")
 
 
 _SWEPT: set = set()  # upload folders this process has already rid of dead writers' temporaries

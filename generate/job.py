@@ -349,14 +349,16 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
             done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             if not done:
                 if not queue and idle:  # nothing left to start: a straggler runs again on an idle actor
-                    if again := straggler(pending, started, seconds):
+                    again = straggler(pending, started, seconds)
+                    elsewhere = again and next((a for a in idle if a is not again[1][0]), None)  # another actor's
+                    if elsewhere is not None:  # slot: the straggler's own actor may be what is slow
                         future, (_, task) = again
                         print(f"generate: shard {task.path} has run {time.time() - started[future]:.0f} s on its "
                               f"actor, the shards so far {median(seconds):.0f} s (its node lost, Ray restarting "
                               f"the actor?); running it on an idle actor too (the same bytes)", flush=True)
-                        actor = idle.popleft()
-                        duplicate = actor.run.remote(task)
-                        pending[duplicate], started[duplicate] = (actor, task), time.time()
+                        idle.remove(elsewhere)
+                        duplicate = elsewhere.run.remote(task)
+                        pending[duplicate], started[duplicate] = (elsewhere, task), time.time()
                 if time.time() - quiet_since > NOTE_AFTER_S:
                     quiet_since = time.time()
                     free = ray.available_resources()

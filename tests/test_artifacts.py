@@ -95,6 +95,30 @@ def test_two_processes_finding_the_same_dead_owner_do_not_both_take_the_folder(t
     assert sum(re.search(r"refused: .*epochs is being written by writer \d", out) is not None for out in said) == 1, said
 
 
+def test_two_threads_writing_one_path_write_temporaries_of_their_own(tmp_path):
+    """A shard run again on an idle slot of the actor already writing it, or by processes of one pid on two
+    hosts of a shared file system: each writes a temporary of its own (the pid alone named one file for
+    both), and the path ends as one whole file."""
+    import threading
+    from common.io import atomic_path, tmp_path_for
+    target = tmp_path / "shard-00001.parquet"
+    names, both_open = [], threading.Barrier(2)
+
+    def write(byte: bytes):
+        with atomic_path(target) as tmp:
+            names.append(tmp.name)
+            tmp.write_bytes(byte * 100_000)
+            both_open.wait(timeout=10)  # each temporary open while the other is written
+    threads = [threading.Thread(target=write, args=(b,)) for b in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(names)) == 2 and all(n.startswith(".shard-00001.parquet.tmp-") for n in names), names
+    assert target.read_bytes() in (b"a" * 100_000, b"b" * 100_000)
+    assert not list(tmp_path.glob(".*.tmp-*")) and tmp_path_for(target).name.startswith(".shard-00001.parquet.tmp-")
+
+
 def test_an_empty_lock_is_left_while_it_may_be_being_written_and_removed_once_old(tmp_path, monkeypatch):
     """An empty lock file: a writer between its exclusive create and its first write (slow on a network file
     system), or one a kill tore. It was removed after 50 ms, under a writer still writing it; now once it is
