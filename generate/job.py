@@ -93,9 +93,14 @@ class ShardActor:
         if self.problem:
             raise NodeProblem(self.problem)
         time.sleep(slow_seconds(os.environ.get(SLOW_ENV, ""), task))
-        if (hang := os.environ.get(HANG_ENV)) and not os.path.exists(hang):
-            Path(hang).write_text(f"hung pid {os.getpid()} on {task.path}\n")
-            threading.Event().wait()  # a task whose node went away: it never returns
+        if hang := os.environ.get(HANG_ENV):
+            try:  # the first task of all, of whichever actor creates the marker
+                with open(hang, "x") as marker:
+                    marker.write(f"hung pid {os.getpid()} on {task.path}\n")
+            except FileExistsError:
+                pass
+            else:
+                threading.Event().wait()  # a task whose node went away: it never returns
         marker = os.environ.get(FAIL_ONCE_ENV)
         if os.environ.get(FAIL_ALWAYS_ENV) or marker and not os.path.exists(marker):
             if marker:
