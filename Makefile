@@ -7,7 +7,12 @@ DATA     ?=
 RUN      ?=
 # ranks of the trainer and the aux MLM: one per GPU `nvidia-smi -L` lists, else 1 (the aux model of base trained on
 # one of 8 GPUs took 8x as long: `make generate-epochs` trains it first)
-NPROC    ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -gt 0 ] 2>/dev/null && echo $$n || echo 1)
+# (those CUDA_VISIBLE_DEVICES names where it is set: a scheduler's share of the node); it must divide the batch
+ifeq ($(origin NPROC),undefined)
+NPROC := $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); \
+           if [ "$$n" -gt 0 ] 2>/dev/null && [ -n "$${CUDA_VISIBLE_DEVICES+x}" ]; then n=$$(printf '%s' "$$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi; \
+           [ "$$n" -gt 0 ] 2>/dev/null && echo $$n || echo 1)
+endif
 WORKERS  ?=
 CORPUS   ?=
 # AUX=hf:PATH: an existing masked LM in a local Hugging Face directory as the aux model (needs `pip install -e '.[hf]'`)

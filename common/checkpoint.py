@@ -60,7 +60,7 @@ def safe_load(path: str | Path, map_location="cpu", mmap: bool = False) -> dict:
             raise
         raise _damaged(path, e) from None
     except RuntimeError as e:
-        if re.search(r"can't allocate memory|out of memory", str(e), re.IGNORECASE):
+        if re.search(r"can't allocate memory|cannot allocate memory|out of memory", str(e), re.IGNORECASE):
             raise MemoryError(f"loading {path}: {first_line(e)[:200]}") from None
         raise _damaged(path, e) from None
     except (KeyError, EOFError, ValueError) as e:  # torch.load on bytes it cannot read
@@ -224,20 +224,23 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if _CKPT.match(p.name))
 
 
-def latest_checkpoint(folder: str | Path) -> tuple[Path, dict] | None:
+def latest_checkpoint(folder: str | Path, mmap: bool = False) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads; a damaged one is skipped with a note, one holding anything but
     tensors and plain types is refused (`safe_load`). A file the file system cannot read now is tried again
     (`common.io.retried`) and then stops the caller (`CheckpointUnreadable`): resuming from an older checkpoint, or
-    from none, would throw away the updates since, and a trainer starting over rewrites its metrics. Loaded
-    with mmap: the ranks of a machine share the file's pages instead of each holding a copy (about 5 GiB at
-    the large preset, optimizer moments included) until the weights are copied out."""
+    from none, would throw away the updates since, and a trainer starting over rewrites its metrics; one that
+    is gone by then (rotated away by a run still writing the folder) is passed over. `mmap`: see `safe_load`
+    (the trainer's resume: its ranks share the file's pages, about 5 GiB at the large preset, until the weights
+    are copied out)."""
     for path in reversed(list_checkpoints(folder)):
         try:
-            state = retried(partial(safe_load, path, mmap=True), str(path), "checkpoints")
+            state = retried(partial(safe_load, path, mmap=mmap), str(path), "checkpoints")
         except DamagedFile as e:
             print(f"checkpoints: ignoring unreadable checkpoint {path}: {e}")
             continue
         except OSError as e:
+            if not path.exists():  # rotated away meanwhile: an older one, or none
+                continue
             raise CheckpointUnreadable(f"checkpoint {path} cannot be read ({type(e).__name__}: {first_line(e)[:200]}); "
                                        f"not resuming from an older one or from the start: run again when the file "
                                        f"system reads it") from e

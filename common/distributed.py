@@ -10,19 +10,32 @@ import torch.distributed as dist
 from common.config import ConfigError
 
 
+def listed_gpus() -> int:
+    """The GPUs `nvidia-smi -L` lists (what `make setup` and the Makefile's NPROC go by); 0 without it."""
+    import subprocess
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def unusable_gpus(what: str) -> str | None:
-    """Why `what` would run on the CPU of a machine that has NVIDIA GPUs, if it would: `nvidia-smi` is there
-    (the test `make setup` uses to install a CUDA build) but this torch cannot use CUDA, a CPU-only build (an
+    """Why `what` would run on the CPU of a machine that has NVIDIA GPUs, if it would: `nvidia-smi -L` lists
+    GPUs (`make setup` installs a CUDA build where nvidia-smi is found) but this torch cannot use CUDA, a CPU-only build (an
     environment made on a machine without GPUs, a login node say, then used on a GPU node) or a CUDA build
     the driver is too old for. None where torch sees CUDA, where there is no GPU, or where the GPUs are
-    hidden on purpose (CUDA_VISIBLE_DEVICES empty or -1)."""
-    if torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+    hidden on purpose (CUDA_VISIBLE_DEVICES empty, -1, or SGE's NoDevFiles)."""
+    if torch.cuda.is_available() or os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1",
+                                                                                              "NoDevFiles"):
         return None
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+    if not listed_gpus():  # no nvidia-smi (or one that lists none: driver tools on a CPU node, a job's cgroup)
         return None
     build = ("a CPU-only build" if torch.version.cuda is None else
              f"built for CUDA {torch.version.cuda}, which this machine's driver may be too old for")
-    return (f"this machine has NVIDIA GPUs (nvidia-smi is on PATH) but torch {torch.__version__} cannot use them "
+    return (f"this machine has NVIDIA GPUs (nvidia-smi lists them) but torch {torch.__version__} cannot use them "
             f"({build}): {what} would run on the CPU. Make the environment on this machine (rm -rf .venv && make "
             f"setup installs a CUDA build where nvidia-smi is found), or set CUDA_VISIBLE_DEVICES= to run on the "
             f"CPU on purpose")

@@ -83,6 +83,7 @@ class ShardActor:
                                        corruptor.mask_prob, corruptor.chunk_entries, self.device == "cuda")
         free, source = host_available_bytes()
         report = {"host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(), "shape": str(shape),
+                  "device_model": self.device_model,
                   "host_need": host, "host_free": free, "host_source": source, "gpu": None, "device_need": device}
         if self.device == "cuda":
             report.update(gpu=str(ray.get_gpu_ids()[0]), device_free=float(torch.cuda.mem_get_info()[0]),
@@ -139,6 +140,16 @@ def straggler(pending: dict, started: dict, seconds: list[float]):
         return None
     future = min(late, key=lambda x: x[0])[1]
     return future, pending[future]
+
+
+def spare_actor(idle, pending: dict, model_of: dict, straggling):
+    """An idle actor to run a straggler's shard again: one with no shard in flight (the memory check sized each
+    actor for the shards it was to hold, not one more) and of the straggler's device model (another model's
+    kernels round otherwise, and the copy that finishes second replaces the file: its bytes must be the
+    recorded ones); None if there is none."""
+    busy = {id(actor) for actor, _ in pending.values()}
+    model = model_of.get(id(straggling))
+    return next((a for a in idle if id(a) not in busy and model is not None and model_of.get(id(a)) == model), None)
 
 
 def task_error(error: "ray.exceptions.RayTaskError", task: ShardTask) -> Exception:
@@ -339,6 +350,7 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
                                  os.environ.get(MEMORY_ENV))
         if problem:
             raise ConfigError(problem)
+        model_of = {id(a): (r or {}).get("device_model") for a, r in zip(actors, reports)}
         tokens, t0 = 0, time.time()
         bar = tqdm(total=len(tasks), desc="generate", unit="shard", dynamic_ncols=True)
         # one slot per task in flight, taken in turn: the first tasks (the validation shard, epoch 0's first
@@ -355,8 +367,8 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
             if not done:
                 if not queue and idle:  # nothing left to start: a straggler runs again on an idle actor
                     again = straggler(pending, started, seconds)
-                    elsewhere = again and next((a for a in idle if a is not again[1][0]), None)  # another actor's
-                    if elsewhere is not None:  # slot: the straggler's own actor may be what is slow
+                    elsewhere = again and spare_actor(idle, pending, model_of, again[1][0])
+                    if elsewhere is not None:
                         future, (_, task) = again
                         print(f"generate: shard {task.path} has run {time.time() - started[future]:.0f} s on its "
                               f"actor, the shards so far {median(seconds):.0f} s (its node lost, Ray restarting "

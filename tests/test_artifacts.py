@@ -119,6 +119,23 @@ def test_two_threads_writing_one_path_write_temporaries_of_their_own(tmp_path):
     assert not list(tmp_path.glob(".*.tmp-*")) and tmp_path_for(target).name.startswith(".shard-00001.parquet.tmp-")
 
 
+def test_a_dead_owners_lock_is_taken_over_where_the_file_system_has_no_flock(tmp_path, monkeypatch, capsys):
+    """Lustre mounted without flock, some FUSE file systems: flock fails (ENOSYS); the take-over goes on
+    unguarded, as before the guard, not with a traceback."""
+    import errno
+    import fcntl
+    import socket
+
+    def no_flock(*_):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    (tmp_path / ".run.lock").write_text(json.dumps({"pid": 1, "started": -1, "host": socket.gethostname(),
+                                                    "what": "a writer", "since": "2026-11-25 00:00:00"}))
+    with FolderLock(tmp_path / "run", "me") as lock:
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    assert "taking over the lock of process 1" in capsys.readouterr().out
+
+
 def test_an_empty_lock_is_left_while_it_may_be_being_written_and_removed_once_old(tmp_path, monkeypatch):
     """An empty lock file: a writer between its exclusive create and its first write (slow on a network file
     system), or one a kill tore. It was removed after 50 ms, under a writer still writing it; now once it is

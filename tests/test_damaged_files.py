@@ -558,6 +558,27 @@ def test_a_host_out_of_memory_while_loading_is_no_damage(tmp_path, monkeypatch):
         latest_checkpoint(tmp_path)
 
 
+def test_a_checkpoint_rotated_away_while_it_is_loaded_is_passed_over(tmp_path, monkeypatch):
+    """An export or fine-tuning reading the folder of a run still writing it: the newest file, listed, is
+    deleted by the run's pruning before it is read. The one before is taken (not "cannot be read")."""
+    import torch
+    from common import io as common_io
+    from common.checkpoint import latest_checkpoint, save_checkpoint
+    monkeypatch.setattr(common_io, "READ_BACKOFF_S", 0.0)
+    for step in (1, 2):
+        save_checkpoint({"step": step, "model": {"w": torch.full((4,), float(step))}}, tmp_path, keep=3)
+    real_load = torch.load
+
+    def rotated(path, *a, **k):
+        if str(path).endswith("step-00000002.pt"):
+            (tmp_path / "step-00000002.pt").unlink(missing_ok=True)
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_load(path, *a, **k)
+    monkeypatch.setattr(torch, "load", rotated)
+    path, state = latest_checkpoint(tmp_path)
+    assert path.name == "step-00000001.pt" and state["step"] == 1
+
+
 def test_checkpoints_load_into_shared_pages_not_a_copy_per_process(tmp_path):
     """A resume on a machine of 8 ranks held 8 copies of the checkpoint (about 5 GiB each at the large preset,
     optimizer moments included). Loaded the way the trainer does (latest_checkpoint, then load_state_dict), the
@@ -574,7 +595,7 @@ def anon():
     return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon:')) * 1024
 model = torch.nn.ParameterDict({{f"w{{i}}": torch.nn.Parameter(torch.zeros(1024, 1024)) for i in range(16)}})
 before = anon()
-path, state = latest_checkpoint({str(tmp_path)!r})
+path, state = latest_checkpoint({str(tmp_path)!r}, mmap=True)
 model.load_state_dict(state["model"])
 assert torch.equal(model["w3"], state["model"]["w3"])
 print(anon() - before)

@@ -27,7 +27,7 @@ def gpu_machine(tmp_path, monkeypatch):
 
 def test_a_torch_that_cannot_use_the_machines_gpus_is_named_with_the_remedy(gpu_machine, monkeypatch):
     problem = unusable_gpus("training")
-    assert problem.startswith("this machine has NVIDIA GPUs (nvidia-smi is on PATH) but torch "), problem
+    assert problem.startswith("this machine has NVIDIA GPUs (nvidia-smi lists them) but torch "), problem
     assert "a CPU-only build" in problem and "training would run on the CPU" in problem, problem
     assert "rm -rf .venv && make setup" in problem and "CUDA_VISIBLE_DEVICES=" in problem, problem
     for hidden in ("", "-1"):  # GPUs hidden on purpose: the CPU is what was asked for
@@ -37,8 +37,19 @@ def test_a_torch_that_cannot_use_the_machines_gpus_is_named_with_the_remedy(gpu_
     assert unusable_gpus("training") is not None
 
 
-def test_without_nvidia_smi_the_cpu_is_the_machines_own():
+def test_without_nvidia_smi_the_cpu_is_the_machines_own(tmp_path, monkeypatch):
     assert unusable_gpus("training") is None  # this machine: no GPU, no nvidia-smi
+    smi = tmp_path / "nvidia-smi"  # driver tools on a CPU node, or a job's cgroup hiding the GPUs: none listed
+    smi.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert unusable_gpus("training") is None
+
+
+def test_gpus_a_scheduler_hides_are_not_the_machines(gpu_machine, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "NoDevFiles")  # SGE's way of giving a job no GPU
+    assert unusable_gpus("training") is None
 
 
 def test_the_trainer_and_the_generator_stop_with_one_line_before_any_work(gpu_machine, tmp_path, capsys):
@@ -69,3 +80,5 @@ def test_make_runs_a_rank_per_gpu_unless_told(tmp_path):
     assert "--nproc_per_node 8 -m train" in out and "--nproc 8" in out, out[-2000:]
     assert "--nproc_per_node" not in dry(os.environ) and "--nproc 1" in dry(os.environ)
     assert "--nproc_per_node 2 -m train" in dry(gpus, "NPROC=2")
+    shared = {**gpus, "CUDA_VISIBLE_DEVICES": "2,5,7"}  # a scheduler's share of the node: 3 of its 8
+    assert "--nproc_per_node 3 -m train" in dry(shared)

@@ -258,6 +258,19 @@ def test_a_gpus_actors_are_all_placed_on_a_local_ray_and_one_that_cannot_be_is_n
                      r"the cluster has [\d.]+ CPU and [\d.]+ GPU free \(lower --workers", result.stdout), result.stdout[-3000:]
 
 
+def test_a_stragglers_copy_goes_to_an_idle_actor_of_its_device_model_with_nothing_in_flight():
+    """The copy's actor holds no other shard (the memory check sized each for the shards it was to hold) and
+    has the straggler's device model (another's kernels round otherwise: the copy finishing second would
+    replace the recorded bytes with others)."""
+    from generate.job import spare_actor
+    a, b, c, d = (object() for _ in range(4))  # actors: a straggles; b busy; c another model; d fits
+    model_of = {id(a): "H100 sm90", id(b): "H100 sm90", id(c): "A100 sm80", id(d): "H100 sm90"}
+    pending = {"f1": (a, "task 1"), "f2": (b, "task 2")}
+    assert spare_actor([b, c, d], pending, model_of, a) is d
+    assert spare_actor([b, c], pending, model_of, a) is None
+    assert spare_actor([d], pending, {**model_of, id(a): None}, a) is None  # the straggler's model unknown
+
+
 def test_actors_waiting_on_resources_that_are_free_are_said_to_be_still_starting():
     from generate.job import not_started_note
     options = {"num_cpus": 1, "num_gpus": 0.25}

@@ -57,7 +57,7 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
     """Collective. Load the newest valid checkpoint into model, optimizer and scheduler (and this rank's RNG
     when the world size is the same); None if there is none. Every rank must find the same one. Refuses another data manifest, or a config that
     differs in anything that changes the updates (`common.config.resume_trajectory`)."""
-    found = latest_checkpoint(ckpt_dir)
+    found = latest_checkpoint(ckpt_dir, mmap=True)
     names = gather_objects(found[0].name if found else None, world)
     if len(set(names)) > 1:  # each rank would resume at another step: different updates, or a hang
         seen: dict = {}
@@ -93,6 +93,10 @@ def restore(ckpt_dir: Path, model, optimizer, scheduler, config: RunConfig, mani
     # the step's kernel is build_optimizer's, not the checkpoint's: one saved before the fused step resumes fused
     for saved_group, built in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
         saved_group["fused"], saved_group["foreach"] = built["fused"], built["foreach"]
+    if device.type == "cpu":  # `load_state_dict` keeps a tensor already on the device as it is: here the mapped
+        # file's pages, which would hold the file's disk space (rotated away meanwhile) for the whole run
+        state["optimizer"]["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in group.items()}
+                                       for k, group in state["optimizer"]["state"].items()}
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if state["world_size"] == world:
