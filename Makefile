@@ -26,14 +26,16 @@ PYTEST_ARGS ?=
 # bench-efficiency's vocabulary: paper = round(128000 * hidden / 768), the paper's V / d (default), 0 = the data's, or a number
 BENCH_VOCAB ?= paper
 
+# the Python that makes .venv (3.11 or newer): PYTHON=python3.12 where the system's python3 is older
+PYTHON ?= python3
 VENV   := .venv
 CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Default work folder of the manifest (its work_dir, through `extends`), for the file targets below.
-MANIFEST_WORK := $(shell python3 common/work_dir.py $(MANIFEST) 2>/dev/null)
+MANIFEST_WORK := $(shell $(PYTHON) common/work_dir.py $(MANIFEST) 2>/dev/null)
 ifeq ($(MANIFEST_WORK),)
-$(error MANIFEST=$(MANIFEST): $(shell python3 common/work_dir.py $(MANIFEST) 2>&1 | tail -n 1))
+$(error MANIFEST=$(MANIFEST): $(shell $(PYTHON) common/work_dir.py $(MANIFEST) 2>&1 | tail -n 1))
 endif
 # Your own corpus (CORPUS=...) gets a work folder of its own for everything made from it (corpus, aux model,
 # shards, runs), so switching corpora back and forth reuses what each one built.
@@ -61,7 +63,7 @@ help:
 # packages), so torch alone comes from PyTorch's CPU index first (or a wheel pip already finds locally); its
 # dependencies, or torch itself where that index cannot be reached, from PyPI.
 $(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
 	else $(PY) -m pip install --quiet --retries 1 --no-deps torch==2.13.0 --index-url $(CPU_TORCH_INDEX) \
