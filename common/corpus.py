@@ -288,7 +288,7 @@ def local_corpus(corpus_dir, splits: tuple[str, ...] = ("train", "valid")) -> Pa
     tokens and offsets, each checked against corpus.json's size and sha256), downloaded once per machine
     (`common.storage`). `splits`: those whose parts are copied; none for what reads no row (the generator's
     driver, fine-tuning, a tokenizer's ids), in a folder of its own: nothing there grows with the corpus."""
-    from common.storage import cache_bookkeeping, cache_folder, is_remote, local_copy, location
+    from common.storage import cache_bookkeeping, cache_folder, is_remote, local_copies, local_copy, location
     remote = location(corpus_dir)
     if not is_remote(remote):
         return Path(corpus_dir)
@@ -314,10 +314,9 @@ def local_corpus(corpus_dir, splits: tuple[str, ...] = ("train", "valid")) -> Pa
         local_copy(remote / TERM_COUNTS_FILE, local / TERM_COUNTS_FILE, (remote / TERM_COUNTS_FILE).stat().st_size)
     else:  # none there: a copy's own would hide that (`stored_term_counts` stores them there)
         (local / TERM_COUNTS_FILE).unlink(missing_ok=True)
-    for split in splits:
-        for part in meta.get(split, {}).get("parts", []):
-            for record in part["flat"].values():
-                local_copy(remote / record["path"], local / record["path"], record["bytes"], record["sha256"])
+    records = [record for split in splits for part in meta.get(split, {}).get("parts", [])
+               for record in part["flat"].values()]
+    local_copies([(remote / r["path"], local / r["path"], r["bytes"], r["sha256"]) for r in records])
     if not (local / CORPUS_META).is_file() or (local / CORPUS_META).read_text() != text:
         with atomic_path(local / CORPUS_META) as tmp:  # last: a copy with corpus.json is whole
             Path(tmp).write_text(text)

@@ -232,10 +232,12 @@ def cache_bookkeeping(name: str) -> bool:
     return name.endswith((".stamp", ".lock")) or name.startswith(".")
 
 
-def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None = None) -> Path:
+def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None = None,
+               wait: bool = True) -> Path | None:
     """`local`, holding `remote`'s bytes: downloaded (to a temporary name, then renamed) and checked against
     `size` and `sha256`, then reused while a stamp beside it (`NAME.stamp`: the sha256 it was checked against,
-    or without one the object's modification time, and the local file's size and time) still holds."""
+    or without one the object's modification time, and the local file's size and time) still holds. With
+    `wait` false, None at once where another process of this machine is downloading it."""
     from common.io import atomic_write_text
     stamp_path = local.with_name(local.name + ".stamp")
     source = sha256 or f"object modified {remote.stat().st_mtime_ns}"  # small files without a recorded sha256
@@ -248,13 +250,27 @@ def local_copy(remote: "ObjectPath", local: Path, size: int, sha256: str | None 
     # start together, and each fetched the whole corpus to a temporary of its own (8 GPUs: 8x the traffic
     # and the disk). The kernel releases the lock with its holder, a killed one included.
     with open(local.with_name(local.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return None
         if local.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp() \
                 and local.stat().st_size == size:
             return local
         _download(remote, local, size, sha256)
         atomic_write_text(stamp_path, stamp())
     return local
+
+
+def local_copies(items: list[tuple]) -> None:
+    """`local_copy` of each (remote, local, size, sha256): first those no other process of this machine is
+    downloading, then the rest, waiting for them. A node's actors start together and ask for the same corpus
+    in the same order: each waited on the one process downloading the first part, then the next, so a node
+    fetched its copy one object at a time (a 1 TB corpus, 1-2 hours at one stream's speed); now they fetch
+    different parts at once."""
+    busy = [item for item in items if local_copy(*item, wait=False) is None]
+    for item in busy:
+        local_copy(*item)
 
 
 def _download(remote: "ObjectPath", local: Path, size: int, sha256: str | None) -> None:

@@ -271,6 +271,49 @@ def test_a_corpus_of_an_hf_aux_models_tokenizer_is_read_from_object_storage(s3, 
     assert open_tokenizer(local_corpus(f"s3://{BUCKET}/hfcorpus")).sha256 == here.sha256
     assert not (local / "hf_tokenizer" / "merges.txt").exists()
 
+def test_processes_of_one_machine_download_different_parts_at_once(s3, tmp_path):
+    """A node's actors ask for the whole corpus at once, in the same order: each waited on the one process
+    downloading the first part, then the next, so the node fetched one object at a time. Now a part another
+    process is fetching is left for later: 3 processes, 6 parts, each download made slow (0.3 s): some run at
+    the same time, and each part is downloaded once."""
+    import hashlib
+    client, _ = s3
+    items = []
+    for i in range(6):
+        body = os.urandom(1 << 20)
+        client.put_object(Bucket=BUCKET, Key=f"parts/part-{i}.bin", Body=body)
+        items.append((f"s3://{BUCKET}/parts/part-{i}.bin", str(tmp_path / "cache" / f"part-{i}.bin"), len(body),
+                      hashlib.sha256(body).hexdigest()))
+    go = tmp_path / "go"
+    script = (f"import json, os, time\nfrom pathlib import Path\nimport common.storage as st\n"
+              f"real = st._download\n"
+              f"def slow(remote, local, size, sha):\n"
+              f"    t0 = time.time(); time.sleep(0.3); real(remote, local, size, sha)\n"
+              f"    print(json.dumps([local.name, t0, time.time()]), flush=True)\n"
+              f"st._download = slow\n"
+              f"items = [(st.location(r), Path(l), n, h) for r, l, n, h in {items!r}]\n"
+              f"Path({str(tmp_path)!r}, f'ready-{{os.getpid()}}').touch()\n"
+              f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+              f"st.local_copies(items)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(3)]
+    try:
+        deadline = time.time() + 60
+        while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        go.touch()
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs)
+    downloads = [json.loads(line) for out in outs for line in out.splitlines()]
+    assert sorted(name for name, _, _ in downloads) == [f"part-{i}.bin" for i in range(6)], downloads
+    overlap = max(sum(a <= t < b for _, a, b in downloads) for _, t, _ in downloads)
+    assert overlap >= 2, downloads
+    assert all((tmp_path / "cache" / f"part-{i}.bin").stat().st_size == 1 << 20 for i in range(6))
+
+
 def test_processes_of_one_machine_download_a_file_once_and_share_it(s3, tmp_path):
     """A node's Ray actors start together and each asks `local_copy` for the whole corpus: one downloads, the
     others wait for it and take its copy (each sees the same file, where before each renamed one of its own
