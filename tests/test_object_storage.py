@@ -271,6 +271,26 @@ def test_a_corpus_of_an_hf_aux_models_tokenizer_is_read_from_object_storage(s3, 
     assert open_tokenizer(local_corpus(f"s3://{BUCKET}/hfcorpus")).sha256 == here.sha256
     assert not (local / "hf_tokenizer" / "merges.txt").exists()
 
+def _together(body: str, tmp_path, count: int = 3) -> list[str]:
+    """`count` processes running `body` (Python) at one instant, each once it has started; their stdouts."""
+    go = tmp_path / "go"
+    script = (f"import os, time\nfrom pathlib import Path\nPath({str(tmp_path)!r}, f'ready-{{os.getpid()}}').touch()\n"
+              f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n" + body)
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(count)]
+    try:
+        deadline = time.time() + 60
+        while len(list(tmp_path.glob("ready-*"))) < count and time.time() < deadline:
+            time.sleep(0.05)
+        go.touch()  # all at once
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs)
+    return outs
+
+
 def test_processes_of_one_machine_download_different_parts_at_once(s3, tmp_path):
     """A node's actors ask for the whole corpus at once, in the same order: each waited on the one process
     downloading the first part, then the next, so the node fetched one object at a time. Now a part another
@@ -284,29 +304,14 @@ def test_processes_of_one_machine_download_different_parts_at_once(s3, tmp_path)
         client.put_object(Bucket=BUCKET, Key=f"parts/part-{i}.bin", Body=body)
         items.append((f"s3://{BUCKET}/parts/part-{i}.bin", str(tmp_path / "cache" / f"part-{i}.bin"), len(body),
                       hashlib.sha256(body).hexdigest()))
-    go = tmp_path / "go"
-    script = (f"import json, os, time\nfrom pathlib import Path\nimport common.storage as st\n"
-              f"real = st._download\n"
-              f"def slow(remote, local, size, sha):\n"
-              f"    t0 = time.time(); time.sleep(0.3); real(remote, local, size, sha)\n"
-              f"    print(json.dumps([local.name, t0, time.time()]), flush=True)\n"
-              f"st._download = slow\n"
-              f"items = [(st.location(r), Path(l), n, h) for r, l, n, h in {items!r}]\n"
-              f"Path({str(tmp_path)!r}, f'ready-{{os.getpid()}}').touch()\n"
-              f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
-              f"st.local_copies(items)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(3)]
-    try:
-        deadline = time.time() + 60
-        while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
-            time.sleep(0.05)
-        go.touch()
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs)
+    body = (f"import json\nimport common.storage as st\n"
+            f"real = st._download\n"
+            f"def slow(remote, local, size, sha):\n"
+            f"    t0 = time.time(); time.sleep(0.3); real(remote, local, size, sha)\n"
+            f"    print(json.dumps([local.name, t0, time.time()]), flush=True)\n"
+            f"st._download = slow\n"
+            f"st.local_copies([(st.location(r), Path(l), n, h) for r, l, n, h in {items!r}])\n")
+    outs = _together(body, tmp_path)
     downloads = [json.loads(line) for out in outs for line in out.splitlines()]
     assert sorted(name for name, _, _ in downloads) == [f"part-{i}.bin" for i in range(6)], downloads
     overlap = max(sum(a <= t < b for _, a, b in downloads) for _, t, _ in downloads)
@@ -322,24 +327,11 @@ def test_processes_of_one_machine_download_a_file_once_and_share_it(s3, tmp_path
     client, _ = s3
     body = os.urandom(24 << 20)
     client.put_object(Bucket=BUCKET, Key="shared/part.bin", Body=body)
-    local, go = tmp_path / "cache" / "part.bin", tmp_path / "go"
-    script = (f"import os, sys, time\nfrom pathlib import Path\nfrom common.storage import local_copy, location\n"
-              f"Path({str(tmp_path)!r}, f'ready-{{os.getpid()}}').touch()\n"
-              f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
-              f"path = local_copy(location('s3://{BUCKET}/shared/part.bin'), Path({str(local)!r}), {len(body)}, "
-              f"{hashlib.sha256(body).hexdigest()!r})\nprint(path.stat().st_ino)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(3)]
-    try:
-        deadline = time.time() + 60
-        while len(list(tmp_path.glob("ready-*"))) < 3 and time.time() < deadline:
-            time.sleep(0.05)
-        go.touch()  # all three at once
-        inodes = {p.communicate(timeout=120)[0].strip() for p in procs}
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs)
+    local = tmp_path / "cache" / "part.bin"
+    inodes = set(_together(f"from common.storage import local_copy, location\n"
+                           f"path = local_copy(location('s3://{BUCKET}/shared/part.bin'), Path({str(local)!r}), "
+                           f"{len(body)}, {hashlib.sha256(body).hexdigest()!r})\nprint(path.stat().st_ino)\n",
+                           tmp_path))
     assert len(inodes) == 1 and local.read_bytes() == body, inodes
 
 
