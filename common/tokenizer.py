@@ -63,7 +63,7 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int, out_dir: str | Path) 
         user_defined_symbols=["[MASK]"],
         shuffle_input_sentence=False,  # the caller samples lines with a seeded RNG
         max_sentence_length=4 * 8192,  # bytes: corpus.build cuts sample lines at 8,192 characters, 4 bytes at most each
-        num_threads=2,
+        num_threads=2,  # fixed: the model's bytes depend on it (1, 2, 4 and 8 threads gave four models)
         minloglevel=2,
     )
     model_path = out_dir / MODEL_FILE
