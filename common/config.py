@@ -198,9 +198,9 @@ class GenerateConfig:
     while the last one is written), 1 on a CPU actor (one core: nothing to overlap). Bytes never change."""
     actors_per_gpu: int = 1
     """GPU actors sharing each GPU, each a process with its own aux model and generation memory (a peak of 6.8 GiB
-    measured at the base preset, `make bench-gpu`; the generator checks its estimate before any shard): one actor's host side bounds what
-    it gives its GPU. On an H200 at base, 4 gave 1.2x the tokens/s of 1 (docs/benchmarks.md). Bytes never
-    change."""
+    measured at the base preset, `make bench-gpu`; the generator checks its estimate before any shard): one
+    actor's host side bounds what it gives its GPU. On an H200 at base, 4 gave 1.2x the tokens/s of 1
+    (docs/benchmarks.md). Bytes never change."""
     distribution: str = "aux"
     """Replaced-token distribution (paper section 5.1): 'aux' (the aux model, made easier by `augmentation`)
     or, with no aux model, 'uniform', 'term_frequency', 'smoothed_one_hot', 'uniform_to_soh', 'tf_to_soh'."""

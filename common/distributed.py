@@ -24,9 +24,9 @@ def listed_gpus() -> int:
 
 def unusable_gpus(what: str) -> str | None:
     """Why `what` would run on the CPU of a machine that has NVIDIA GPUs, if it would: `nvidia-smi -L` lists
-    GPUs (`make setup` installs a CUDA build where nvidia-smi is found) but this torch cannot use CUDA, a CPU-only build (an
-    environment made on a machine without GPUs, a login node say, then used on a GPU node) or a CUDA build
-    the driver is too old for. None where torch sees CUDA, where there is no GPU, or where the GPUs are
+    GPUs (`make setup` installs a CUDA build where nvidia-smi is found) but this torch cannot use CUDA, a
+    CPU-only build (an environment made on a machine without GPUs, a login node say, then used on a GPU node)
+    or a CUDA build the driver is too old for. None where torch sees CUDA, where there is no GPU, or where the GPUs are
     hidden on purpose (CUDA_VISIBLE_DEVICES empty, -1, or SGE's NoDevFiles)."""
     if torch.cuda.is_available() or os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1",
                                                                                               "NoDevFiles"):
