@@ -14,7 +14,8 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from statistics import median_high
 from pathlib import Path
 
 import ray
@@ -121,20 +122,13 @@ POLL_S, STRAGGLER_TIMES, STRAGGLER_MIN_S = 2.0, 3.0, 10.0
 NOTE_AFTER_S = 600.0  # no shard finished for this long: say what is in flight and what the cluster has free
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else 0.0
-
-
 def straggler(pending: dict, started: dict, seconds: list[float]):
     """The longest-running pending shard that has run past STRAGGLER_TIMES the median of `seconds` (and
     STRAGGLER_MIN_S), with no second copy in flight, as (future, (actor, task)); None if there is none."""
     if not seconds:
         return None
-    copies = {}
-    for _, task in pending.values():
-        copies[task.path] = copies.get(task.path, 0) + 1
-    limit, now = max(STRAGGLER_TIMES * median(seconds), STRAGGLER_MIN_S), time.time()
+    copies = Counter(task.path for _, task in pending.values())
+    limit, now = max(STRAGGLER_TIMES * median_high(seconds), STRAGGLER_MIN_S), time.time()
     late = [(started[f], f) for f, (_, task) in pending.items() if copies[task.path] == 1 and now - started[f] > limit]
     if not late:
         return None
@@ -371,7 +365,7 @@ def run_tasks(tasks: list[ShardTask], workers: int, actor_args: dict, out_dir: P
                     if elsewhere is not None:
                         future, (_, task) = again
                         print(f"generate: shard {task.path} has run {time.time() - started[future]:.0f} s on its "
-                              f"actor, the shards so far {median(seconds):.0f} s (its node lost, Ray restarting "
+                              f"actor, the shards so far {median_high(seconds):.0f} s (its node lost, Ray restarting "
                               f"the actor?); running it on an idle actor too (the same bytes)", flush=True)
                         idle.remove(elsewhere)
                         duplicate = elsewhere.run.remote(task)
